@@ -1,0 +1,2 @@
+//! The `switchyard` command.
+fn main() {}

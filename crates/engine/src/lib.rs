@@ -1,0 +1,1 @@
+//! A model of one LLM inference engine (vLLM-like) in virtual time.

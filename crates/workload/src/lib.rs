@@ -1,0 +1,1 @@
+//! Request streams for the simulator and the load generator.
