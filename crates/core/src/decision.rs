@@ -1,0 +1,202 @@
+//! The answer to "where should this request go?", with the reasons.
+
+use serde::Serialize;
+
+use crate::fleet::InstanceId;
+
+/// Why a candidate was not eligible.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Exclusion {
+    /// Failing health checks.
+    Unhealthy,
+    /// Draining: takes no new requests.
+    Draining,
+    /// Its role cannot run this phase (decode-only for a prefill, prefill-only for a decode).
+    WrongRole,
+    /// It cannot serve the requested adapter.
+    AdapterUnavailable,
+    /// Over its queue limit.
+    Saturated,
+    /// It would have to swap adapters again within the cooldown (thrashing guard).
+    AdapterCooldown,
+}
+
+/// The parts of a candidate's estimated time to first token, for the `cost` policy; baselines
+/// fill what they use (at least `score`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct CostTerms {
+    /// Leading prompt blocks the prefix index believes the instance holds.
+    pub matched_blocks: u32,
+    /// Prompt tokens predicted to be served from its cache.
+    pub cached_tokens: u32,
+    /// Prompt tokens it would have to prefill.
+    pub uncached_tokens: u32,
+    /// Seconds of work queued ahead of the request.
+    pub wait_s: f64,
+    /// Seconds to prefill the uncached tokens.
+    pub prefill_s: f64,
+    /// Seconds to load the adapter (0 when resident), plus the swap margin.
+    pub adapter_s: f64,
+    /// Seconds to move the KV cache from the prefill instance (disaggregated decode only).
+    pub transfer_s: f64,
+    /// Delay inflicted on the sequences decoding there, weighted (decode-load protection).
+    pub decode_penalty_s: f64,
+    /// Preemption risk from projected KV usage, in seconds.
+    pub kv_penalty_s: f64,
+}
+
+/// One instance considered for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Candidate {
+    /// The instance.
+    pub instance: InstanceId,
+    /// The policy's score: lower is better (for `cost`, the estimated TTFT in seconds).
+    pub score: f64,
+    /// The breakdown behind the score.
+    pub terms: CostTerms,
+    /// Set when the candidate was ruled out.
+    pub excluded: Option<Exclusion>,
+    /// Orders equal scores (random or fleet order, per the policy's tie rule).
+    #[serde(skip)]
+    pub(crate) tie: u64,
+}
+
+/// Where a request should go: candidates best first, then the excluded ones with reasons.
+#[derive(Debug, Clone, Serialize)]
+pub struct Decision {
+    /// Policy that decided.
+    pub policy: &'static str,
+    /// Estimated prompt tokens.
+    pub prompt_tokens: u32,
+    /// Eligible candidates (the first `ranked` in order, best first), then excluded ones.
+    /// For a disaggregated request these are the prefill candidates.
+    pub candidates: Vec<Candidate>,
+    /// Number of eligible candidates at the front of `candidates`.
+    pub eligible: usize,
+    /// Number of eligible candidates that are in rank order.
+    pub ranked: usize,
+    /// Decode candidates of a disaggregated request, ranked the same way; empty when unified.
+    pub decode: Vec<Candidate>,
+    /// Eligible decode candidates at the front of `decode`.
+    pub decode_eligible: usize,
+    /// True when every otherwise eligible candidate is over its queue limit: queue or shed.
+    pub saturated: bool,
+    /// Chained hashes of the prompt's blocks (what the routed instance will hold).
+    #[serde(skip)]
+    pub(crate) block_hashes: Vec<u64>,
+    /// Rendered prompt bytes (for learning bytes per token).
+    #[serde(skip)]
+    pub(crate) prompt_bytes: usize,
+    /// Adapter requested.
+    #[serde(skip)]
+    pub(crate) adapter: Option<String>,
+    /// Output budget.
+    #[serde(skip)]
+    pub(crate) max_tokens: u32,
+}
+
+impl Decision {
+    /// The best eligible candidate (for disaggregated requests, the prefill pick).
+    pub fn best(&self) -> Option<InstanceId> {
+        self.ranked_candidates().next().map(|c| c.instance)
+    }
+
+    /// The best eligible decode candidate of a disaggregated request.
+    pub fn best_decode(&self) -> Option<InstanceId> {
+        self.decode[..self.decode_eligible]
+            .first()
+            .map(|c| c.instance)
+    }
+
+    /// Whether this request is split into a prefill and a decode.
+    pub fn is_disaggregated(&self) -> bool {
+        !self.decode.is_empty()
+    }
+
+    /// Eligible candidates in rank order: the retry list.
+    pub fn ranked_candidates(&self) -> impl Iterator<Item = &Candidate> {
+        self.candidates[..self.ranked].iter()
+    }
+
+    /// Every eligible candidate, ranked ones first.
+    pub fn eligible_candidates(&self) -> &[Candidate] {
+        &self.candidates[..self.eligible]
+    }
+
+    /// The candidate entry for `instance`, among prefill/unified then decode candidates.
+    pub fn candidate(&self, instance: InstanceId) -> Option<&Candidate> {
+        self.candidates
+            .iter()
+            .chain(self.decode.iter())
+            .find(|c| c.instance == instance)
+    }
+
+    /// What to record when the request is sent to `instance` (see [`crate::Observation::Routed`]).
+    pub fn plan_for(&self, instance: InstanceId) -> RoutePlan {
+        let terms = self
+            .candidate(instance)
+            .map(|c| c.terms)
+            .unwrap_or_default();
+        RoutePlan {
+            block_hashes: self.block_hashes.clone(),
+            prompt_bytes: self.prompt_bytes,
+            prompt_tokens: self.prompt_tokens,
+            matched_blocks: terms.matched_blocks,
+            predicted_cached_tokens: terms.cached_tokens,
+            adapter: self.adapter.clone(),
+            max_tokens: self.max_tokens,
+            is_decode_only: self.decode.iter().any(|c| c.instance == instance)
+                && !self.candidates.iter().any(|c| c.instance == instance),
+        }
+    }
+
+    /// A one-line summary for logs and the debug header: the top candidates with their terms.
+    pub fn explain(&self, top: usize) -> String {
+        let mut parts = Vec::new();
+        for c in self.ranked_candidates().take(top) {
+            let t = &c.terms;
+            parts.push(format!(
+                "{}#{} score={:.4} wait={:.4} prefill={:.4} adapter={:.3} cached={} uncached={}",
+                c.instance.slot,
+                c.instance.generation,
+                c.score,
+                t.wait_s,
+                t.prefill_s,
+                t.adapter_s,
+                t.cached_tokens,
+                t.uncached_tokens
+            ));
+        }
+        let excluded = self.candidates.len() - self.eligible;
+        format!(
+            "policy={} eligible={} excluded={} saturated={} [{}]",
+            self.policy,
+            self.eligible,
+            excluded,
+            self.saturated,
+            parts.join("; ")
+        )
+    }
+}
+
+/// What the router records about a request sent to an instance.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutePlan {
+    /// Chained hashes of the prompt's blocks.
+    pub block_hashes: Vec<u64>,
+    /// Rendered prompt bytes.
+    pub prompt_bytes: usize,
+    /// Estimated prompt tokens.
+    pub prompt_tokens: u32,
+    /// Blocks predicted cached there.
+    pub matched_blocks: u32,
+    /// Tokens predicted cached there.
+    pub predicted_cached_tokens: u32,
+    /// Adapter requested.
+    pub adapter: Option<String>,
+    /// Output budget.
+    pub max_tokens: u32,
+    /// Sent as the decode half of a disaggregated request (no prefill work there).
+    pub is_decode_only: bool,
+}

@@ -1,0 +1,151 @@
+//! Exact prefix knowledge from engines' KV events (vLLM `BlockStored` / `BlockRemoved`).
+//!
+//! Engines hash blocks with their own algorithm and seed, so blocks are re-keyed by this
+//! crate's chained hash of their token ids (what llm-d does); the engine's hashes are kept only
+//! to resolve parents and removals. Matching needs the request's token ids.
+
+use rustc_hash::FxHashMap;
+
+use crate::observe::KvEvent;
+use crate::prefix::{chain_seed, token_block_hashes, BlockMatch, PrefixIndex, Slot};
+
+/// Blocks each instance reported holding, keyed by our own hash of their tokens.
+#[derive(Debug, Default)]
+pub struct ExactIndex {
+    index: PrefixIndex,
+    /// (slot, engine block hash) -> our block hash.
+    engine_to_own: FxHashMap<(Slot, u64), u64>,
+    /// Tokens per block per publishing slot; a slot is in exact mode once it has published.
+    block_size: FxHashMap<Slot, u32>,
+    scratch: Vec<u64>,
+    matches: Vec<BlockMatch>,
+}
+
+fn seed(lora_name: Option<&str>) -> u64 {
+    chain_seed("", lora_name, None)
+}
+
+impl ExactIndex {
+    /// Applies an instance's events in order.
+    pub fn apply(&mut self, slot: Slot, events: &[KvEvent]) {
+        for event in events {
+            match event {
+                KvEvent::Stored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                    lora_name,
+                } => {
+                    let size = (*block_size).max(1);
+                    self.block_size.insert(slot, size);
+                    if self.index.capacity(slot) == 0 {
+                        self.index.set_capacity(slot, u32::MAX);
+                    }
+                    let parent = match parent_block_hash {
+                        Some(p) => match self.engine_to_own.get(&(slot, *p)) {
+                            Some(&own) => own,
+                            // Parent unknown (evicted or published before we listened): the
+                            // chain cannot be matched from the root, so skip it.
+                            None => continue,
+                        },
+                        None => seed(lora_name.as_deref()),
+                    };
+                    self.scratch.clear();
+                    token_block_hashes(token_ids, parent, size as usize, &mut self.scratch);
+                    for (engine, own) in block_hashes.iter().zip(&self.scratch) {
+                        self.engine_to_own.insert((slot, *engine), *own);
+                    }
+                    let chain = std::mem::take(&mut self.scratch);
+                    self.index.insert(slot, &chain);
+                    self.scratch = chain;
+                }
+                KvEvent::Removed { block_hashes } => {
+                    for engine in block_hashes {
+                        if let Some(own) = self.engine_to_own.remove(&(slot, *engine)) {
+                            self.index.remove(slot, own);
+                        }
+                    }
+                }
+                KvEvent::AllCleared => self.clear_slot(slot),
+            }
+        }
+    }
+
+    /// Forgets everything about an instance.
+    pub fn clear_slot(&mut self, slot: Slot) {
+        self.index.clear_slot(slot);
+        self.engine_to_own.retain(|(s, _), _| *s != slot);
+    }
+
+    /// Cached prompt tokens on `slot` for a base-model request with these token ids, if the
+    /// instance publishes events (None otherwise: fall back to the approximate index).
+    pub fn cached_tokens(&mut self, slot: Slot, tokens: &[u32]) -> Option<u32> {
+        let size = *self.block_size.get(&slot)?;
+        self.scratch.clear();
+        token_block_hashes(tokens, seed(None), size as usize, &mut self.scratch);
+        let chain = std::mem::take(&mut self.scratch);
+        self.index.lookup_consecutive(&chain, &mut self.matches);
+        self.scratch = chain;
+        let blocks = self
+            .matches
+            .iter()
+            .find(|m| m.slot == slot)
+            .map_or(0, |m| m.blocks);
+        Some(blocks * size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvEvent {
+        KvEvent::Stored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            token_ids: tokens.to_vec(),
+            block_size: 2,
+            lora_name: None,
+        }
+    }
+
+    #[test]
+    fn stored_blocks_match_by_tokens_and_removal_cuts_the_run() {
+        let mut exact = ExactIndex::default();
+        assert_eq!(
+            exact.cached_tokens(0, &[1, 2, 3, 4]),
+            None,
+            "not publishing yet"
+        );
+        exact.apply(
+            0,
+            &[
+                stored(&[100, 101], None, &[1, 2, 3, 4]),
+                stored(&[102], Some(101), &[5, 6]),
+            ],
+        );
+        assert_eq!(exact.cached_tokens(0, &[1, 2, 3, 4, 5, 6, 7]), Some(6));
+        assert_eq!(exact.cached_tokens(0, &[1, 2, 9, 9]), Some(2));
+        exact.apply(
+            0,
+            &[KvEvent::Removed {
+                block_hashes: vec![101],
+            }],
+        );
+        assert_eq!(
+            exact.cached_tokens(0, &[1, 2, 3, 4, 5, 6]),
+            Some(2),
+            "a hole ends the run"
+        );
+        exact.apply(0, &[KvEvent::AllCleared]);
+        assert_eq!(exact.cached_tokens(0, &[1, 2]), Some(0));
+    }
+
+    #[test]
+    fn a_chain_with_an_unknown_parent_is_skipped() {
+        let mut exact = ExactIndex::default();
+        exact.apply(0, &[stored(&[7], Some(999), &[1, 2])]);
+        assert_eq!(exact.cached_tokens(0, &[1, 2]), Some(0));
+    }
+}

@@ -1,0 +1,425 @@
+//! The router's view of the fleet: instances, what they serve, and what it knows of their load.
+
+use rustc_hash::FxHashMap;
+use serde::{Deserialize, Serialize};
+
+use crate::prefix::Slot;
+
+/// Stable handle of an instance; a removed instance's handle never matches a later one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct InstanceId {
+    /// Dense slot, reused after removal.
+    pub slot: Slot,
+    /// Bumped on each reuse of the slot.
+    pub generation: u32,
+}
+
+/// What part of inference an instance does (disaggregated serving splits them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Prefill only: hands the KV cache over to a decode instance.
+    Prefill,
+    /// Decode only: takes over requests prefilled elsewhere.
+    Decode,
+    /// Both phases (an ordinary engine).
+    #[default]
+    Both,
+}
+
+impl Role {
+    /// Whether this instance can run a request's prefill.
+    pub fn prefills(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
+    }
+
+    /// Whether this instance can run a request's decode.
+    pub fn decodes(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
+}
+
+/// Static description of an instance, as configured or discovered.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct InstanceSpec {
+    /// Unique name (usually the address).
+    pub name: String,
+    /// Where to send requests (`host:port` or a URL); opaque to the core.
+    pub address: String,
+    /// Prefill, decode or both.
+    pub role: Role,
+    /// Served model names (base models).
+    pub models: Vec<String>,
+    /// Adapters the instance can serve (registered on the engine).
+    pub adapters: Vec<String>,
+    /// Whether adapters not in `adapters` may be loaded at runtime (the gateway does the loading).
+    pub runtime_adapter_loading: bool,
+    /// Adapter slots on the accelerator (vLLM `--max-loras`).
+    pub adapter_slots: u32,
+    /// KV cache capacity in tokens, if known (from `vllm:cache_config_info` or configuration).
+    pub kv_capacity_tokens: Option<u64>,
+    /// Maximum sequences running at once (vLLM `--max-num-seqs`), if known.
+    pub max_running: Option<u32>,
+    /// Prior prefill speed for this instance in tokens/s (overrides the router-wide prior).
+    pub prefill_tokens_per_s: Option<f64>,
+    /// Relative weight for load-balancing baselines (1.0 = normal).
+    pub weight: f64,
+}
+
+impl Default for InstanceSpec {
+    fn default() -> Self {
+        InstanceSpec {
+            name: String::new(),
+            address: String::new(),
+            role: Role::Both,
+            models: Vec::new(),
+            adapters: Vec::new(),
+            runtime_adapter_loading: false,
+            adapter_slots: 1,
+            kv_capacity_tokens: None,
+            max_running: None,
+            prefill_tokens_per_s: None,
+            weight: 1.0,
+        }
+    }
+}
+
+impl InstanceSpec {
+    /// A both-role instance serving one model.
+    pub fn new(name: impl Into<String>, model: impl Into<String>) -> Self {
+        let name = name.into();
+        InstanceSpec {
+            address: name.clone(),
+            name,
+            models: vec![model.into()],
+            ..Self::default()
+        }
+    }
+}
+
+/// Engine-side signals from the last metrics scrape.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EngineMetrics {
+    /// Requests waiting in the engine's queue.
+    pub waiting: u32,
+    /// Requests running (in the batch).
+    pub running: u32,
+    /// KV cache usage, 0..=1, if the engine reports it.
+    pub kv_usage: Option<f64>,
+    /// Adapters of running requests.
+    pub running_adapters: Vec<String>,
+    /// Adapters requests are waiting for.
+    pub waiting_adapters: Vec<String>,
+    /// Adapter slots the engine reports (vLLM `max_lora`).
+    pub max_adapters: Option<u32>,
+    /// KV capacity in tokens the engine reports (blocks × block size).
+    pub kv_capacity_tokens: Option<u64>,
+}
+
+/// Router-side accounting for one instance: exact and immediate, but blind to other routers.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RouterLoad {
+    /// Routed requests that have not produced a first token.
+    pub pending_requests: u32,
+    /// Predicted uncached prompt tokens of those requests: prefill work queued ahead.
+    pub pending_tokens: u64,
+    /// Requests past their first token and not finished (decoding).
+    pub running_requests: u32,
+    /// Prompt plus expected output tokens of every in-flight request: the KV they occupy.
+    pub kv_tokens: u64,
+}
+
+impl RouterLoad {
+    /// Every request in flight on the instance.
+    pub fn in_flight(&self) -> u32 {
+        self.pending_requests + self.running_requests
+    }
+}
+
+/// What the router has learned about an instance from observed timings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Learned {
+    /// Effective prefill throughput in tokens/s (includes queueing and batching effects).
+    pub prefill_tokens_per_s: f64,
+    /// Mean request service time (routed to finished) in seconds.
+    pub service_time_s: f64,
+    /// Share of predicted cached tokens the engine actually reported as cached (0..=1).
+    pub cache_trust: f64,
+    /// Mean uncached prompt tokens per request sent here (to price engine-reported queues).
+    pub mean_uncached_tokens: f64,
+}
+
+/// Adapters believed resident on the accelerator, most recently used first.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AdapterResidency {
+    /// Resident adapters, most recently used first; at most `slots` long.
+    pub resident: Vec<String>,
+    /// When the router last caused an adapter to be loaded here (for the thrashing cooldown).
+    pub last_load_at: Option<f64>,
+}
+
+impl AdapterResidency {
+    /// Whether `adapter` is believed resident.
+    pub fn is_resident(&self, adapter: &str) -> bool {
+        self.resident.iter().any(|a| a == adapter)
+    }
+
+    /// Marks `adapter` as used now; returns true when it had to be loaded.
+    pub fn touch(&mut self, adapter: &str, slots: u32, now: f64) -> bool {
+        if let Some(pos) = self.resident.iter().position(|a| a == adapter) {
+            let name = self.resident.remove(pos);
+            self.resident.insert(0, name);
+            return false;
+        }
+        self.resident.insert(0, adapter.to_string());
+        self.resident.truncate(slots.max(1) as usize);
+        self.last_load_at = Some(now);
+        true
+    }
+}
+
+/// Health as the router tracks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Health {
+    /// Takes traffic.
+    #[default]
+    Healthy,
+    /// Failing health checks or refusing connections: takes no traffic.
+    Unhealthy,
+    /// Finishing its in-flight requests before removal: takes no new traffic.
+    Draining,
+}
+
+/// One instance with everything the router knows about it.
+#[derive(Debug, Clone)]
+pub struct Instance {
+    /// Handle.
+    pub id: InstanceId,
+    /// Static description.
+    pub spec: InstanceSpec,
+    /// Health.
+    pub health: Health,
+    /// Router-side accounting.
+    pub load: RouterLoad,
+    /// Last scraped engine metrics and when they were scraped.
+    pub engine: Option<(EngineMetrics, f64)>,
+    /// Learned speeds.
+    pub learned: Learned,
+    /// Adapter residency.
+    pub adapters: AdapterResidency,
+}
+
+impl Instance {
+    /// Engine metrics if scraped within `stale_after` seconds of `now`; stale ones are unknown.
+    pub fn fresh_metrics(&self, now: f64, stale_after: f64) -> Option<&EngineMetrics> {
+        self.engine
+            .as_ref()
+            .filter(|(_, at)| now - at <= stale_after)
+            .map(|(m, _)| m)
+    }
+
+    /// KV capacity in tokens: the engine's report wins over configuration.
+    pub fn kv_capacity_tokens(&self) -> Option<u64> {
+        self.engine
+            .as_ref()
+            .and_then(|(m, _)| m.kv_capacity_tokens)
+            .or(self.spec.kv_capacity_tokens)
+    }
+
+    /// Adapter slots: the engine's report wins over configuration.
+    pub fn adapter_slots(&self) -> u32 {
+        self.engine
+            .as_ref()
+            .and_then(|(m, _)| m.max_adapters)
+            .unwrap_or(self.spec.adapter_slots)
+    }
+
+    /// Whether the instance can serve `adapter` (resident, registered, or loadable at runtime).
+    pub fn can_serve_adapter(&self, adapter: &str) -> bool {
+        self.spec.runtime_adapter_loading
+            || self.spec.adapters.iter().any(|a| a == adapter)
+            || self.adapters.is_resident(adapter)
+    }
+
+    /// Whether the instance serves `model` as a base model.
+    pub fn serves(&self, model: &str) -> bool {
+        self.spec.models.iter().any(|m| m == model)
+    }
+}
+
+/// All instances, addressable by slot, with a per-model list of slots for fast filtering.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    slots: Vec<Option<Instance>>,
+    generations: Vec<u32>,
+    free: Vec<Slot>,
+    by_name: FxHashMap<String, Slot>,
+    by_model: FxHashMap<String, Vec<Slot>>,
+}
+
+impl Fleet {
+    /// Adds an instance, returning its handle; `learned` gives its starting estimates.
+    pub fn add(&mut self, spec: InstanceSpec, learned: Learned) -> Result<InstanceId, String> {
+        if self.by_name.contains_key(&spec.name) {
+            return Err(spec.name);
+        }
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => {
+                self.slots.push(None);
+                self.generations.push(0);
+                (self.slots.len() - 1) as Slot
+            }
+        };
+        let generation = self.generations[slot as usize];
+        let id = InstanceId { slot, generation };
+        for model in &spec.models {
+            self.by_model.entry(model.clone()).or_default().push(slot);
+        }
+        self.by_name.insert(spec.name.clone(), slot);
+        let residency = AdapterResidency::default();
+        self.slots[slot as usize] = Some(Instance {
+            id,
+            spec,
+            health: Health::Healthy,
+            load: RouterLoad::default(),
+            engine: None,
+            learned,
+            adapters: residency,
+        });
+        Ok(id)
+    }
+
+    /// Removes an instance; returns it if the handle was current.
+    pub fn remove(&mut self, id: InstanceId) -> Option<Instance> {
+        self.get(id)?;
+        let instance = self.slots[id.slot as usize].take()?;
+        self.generations[id.slot as usize] = id.generation.wrapping_add(1);
+        self.free.push(id.slot);
+        self.by_name.remove(&instance.spec.name);
+        for model in &instance.spec.models {
+            if let Some(slots) = self.by_model.get_mut(model) {
+                slots.retain(|&s| s != id.slot);
+                if slots.is_empty() {
+                    self.by_model.remove(model);
+                }
+            }
+        }
+        Some(instance)
+    }
+
+    /// The instance behind a handle, if it is still current.
+    pub fn get(&self, id: InstanceId) -> Option<&Instance> {
+        self.slots
+            .get(id.slot as usize)?
+            .as_ref()
+            .filter(|i| i.id.generation == id.generation)
+    }
+
+    /// Mutable access to the instance behind a handle, if it is still current.
+    pub fn get_mut(&mut self, id: InstanceId) -> Option<&mut Instance> {
+        self.slots
+            .get_mut(id.slot as usize)?
+            .as_mut()
+            .filter(|i| i.id.generation == id.generation)
+    }
+
+    /// The instance in a slot.
+    pub fn by_slot(&self, slot: Slot) -> Option<&Instance> {
+        self.slots.get(slot as usize)?.as_ref()
+    }
+
+    /// Handle of the instance with this name.
+    pub fn id_of(&self, name: &str) -> Option<InstanceId> {
+        let slot = *self.by_name.get(name)?;
+        self.by_slot(slot).map(|i| i.id)
+    }
+
+    /// Slots of the instances serving `model`, in insertion order.
+    pub fn serving(&self, model: &str) -> &[Slot] {
+        self.by_model.get(model).map_or(&[], |v| v.as_slice())
+    }
+
+    /// Every instance.
+    pub fn iter(&self) -> impl Iterator<Item = &Instance> {
+        self.slots.iter().flatten()
+    }
+
+    /// Every served model name.
+    pub fn models(&self) -> impl Iterator<Item = &str> {
+        self.by_model.keys().map(|m| m.as_str())
+    }
+
+    /// Number of instances.
+    pub fn len(&self) -> usize {
+        self.by_name.len()
+    }
+
+    /// Whether there are no instances.
+    pub fn is_empty(&self) -> bool {
+        self.by_name.is_empty()
+    }
+
+    /// One past the largest slot in use (size for per-slot scratch arrays).
+    pub fn slot_bound(&self) -> usize {
+        self.slots.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn learned() -> Learned {
+        Learned {
+            prefill_tokens_per_s: 1000.0,
+            service_time_s: 1.0,
+            cache_trust: 1.0,
+            mean_uncached_tokens: 100.0,
+        }
+    }
+
+    #[test]
+    fn removed_handles_never_match_a_reused_slot() {
+        let mut fleet = Fleet::default();
+        let a = fleet.add(InstanceSpec::new("a", "m"), learned()).unwrap();
+        fleet.remove(a).unwrap();
+        let b = fleet.add(InstanceSpec::new("b", "m"), learned()).unwrap();
+        assert_eq!(a.slot, b.slot);
+        assert!(fleet.get(a).is_none());
+        assert_eq!(fleet.get(b).unwrap().spec.name, "b");
+        assert!(fleet.remove(a).is_none());
+        assert_eq!(fleet.serving("m"), &[b.slot]);
+    }
+
+    #[test]
+    fn duplicate_names_are_refused() {
+        let mut fleet = Fleet::default();
+        fleet.add(InstanceSpec::new("a", "m"), learned()).unwrap();
+        assert!(fleet.add(InstanceSpec::new("a", "n"), learned()).is_err());
+    }
+
+    #[test]
+    fn adapter_residency_is_an_lru_of_slots() {
+        let mut r = AdapterResidency::default();
+        assert!(r.touch("x", 2, 1.0));
+        assert!(r.touch("y", 2, 2.0));
+        assert!(!r.touch("x", 2, 3.0));
+        assert!(r.touch("z", 2, 4.0)); // evicts y, the least recently used
+        assert_eq!(r.resident, vec!["z".to_string(), "x".to_string()]);
+        assert_eq!(r.last_load_at, Some(4.0));
+    }
+
+    #[test]
+    fn stale_metrics_are_unknown() {
+        let mut fleet = Fleet::default();
+        let a = fleet.add(InstanceSpec::new("a", "m"), learned()).unwrap();
+        fleet.get_mut(a).unwrap().engine = Some((EngineMetrics::default(), 10.0));
+        let i = fleet.get(a).unwrap();
+        assert!(i.fresh_metrics(12.0, 5.0).is_some());
+        assert!(i.fresh_metrics(15.5, 5.0).is_none());
+    }
+}

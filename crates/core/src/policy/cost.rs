@@ -1,0 +1,245 @@
+//! The default policy: minimise the estimated time to first token.
+//!
+//! `est_ttft = wait + prefill(uncached) + adapter (+ transfer)`, plus two protections that are
+//! also priced in seconds: the delay a prefill inflicts on the sequences decoding beside it, and
+//! the preemption risk of a nearly full KV cache. Hot-spotting is priced, not forbidden: a popular
+//! prefix's holder keeps winning only while the prefill it saves exceeds the queue that builds
+//! on it; then the next instance wins, prefills the prefix once, and holds it too.
+
+use rand::rngs::SmallRng;
+
+use super::{Policy, ScoringContext, Stage, TieBreak};
+use crate::decision::{Candidate, CostTerms, Exclusion};
+use crate::fleet::Instance;
+
+/// The `cost` policy (stateless: everything it needs is in the fleet view).
+pub struct CostPolicy;
+
+/// What the router and the engine (if its metrics are fresh) say about an instance's load;
+/// for each quantity the larger view wins, since the engine also sees other routers' traffic.
+struct LoadView {
+    /// Prefill work queued ahead, in tokens.
+    pending_tokens: f64,
+    /// Sequences decoding.
+    running: u32,
+    /// Requests in the instance at all.
+    in_system: u32,
+    /// KV usage 0..1, if known.
+    kv_usage: Option<f64>,
+}
+
+fn load_view(ctx: &ScoringContext<'_>, instance: &Instance) -> LoadView {
+    let fresh = instance.fresh_metrics(ctx.now, ctx.config.estimates.metrics_stale_after_s);
+    let load = &instance.load;
+    let engine_pending = fresh.map_or(0.0, |m| {
+        f64::from(m.waiting) * instance.learned.mean_uncached_tokens
+    });
+    LoadView {
+        pending_tokens: (load.pending_tokens as f64).max(engine_pending),
+        running: load.running_requests.max(fresh.map_or(0, |m| m.running)),
+        in_system: load
+            .in_flight()
+            .max(fresh.map_or(0, |m| m.running + m.waiting)),
+        kv_usage: fresh.and_then(|m| m.kv_usage),
+    }
+}
+
+/// Waiting for a free sequence slot once `max_running` sequences are busy.
+fn slot_wait_s(instance: &Instance, in_system: u32) -> f64 {
+    match instance.spec.max_running {
+        Some(max) if max > 0 && in_system >= max => {
+            let excess = f64::from(in_system + 1 - max);
+            excess * instance.learned.service_time_s / f64::from(max)
+        }
+        _ => 0.0,
+    }
+}
+
+/// Preemption risk once the projected KV usage passes the high watermark.
+fn kv_penalty_s(
+    ctx: &ScoringContext<'_>,
+    instance: &Instance,
+    view: &LoadView,
+    new_tokens: f64,
+) -> f64 {
+    let Some(capacity) = instance.kv_capacity_tokens().filter(|&c| c > 0) else {
+        return 0.0;
+    };
+    let capacity = capacity as f64;
+    let router_usage = instance.load.kv_tokens as f64 / capacity;
+    let engine_usage = view.kv_usage.unwrap_or(0.0);
+    let projected = router_usage.max(engine_usage) + new_tokens / capacity;
+    let mark = ctx.config.cost.kv_high_watermark;
+    ((projected - mark) / (1.0 - mark)).max(0.0) * ctx.config.cost.kv_pressure_s
+}
+
+/// Loading the request's adapter if it is not resident, plus evicting another if slots are full.
+fn adapter_s(ctx: &ScoringContext<'_>, instance: &Instance) -> f64 {
+    let cost = &ctx.config.cost;
+    match ctx.request.adapter {
+        Some(adapter) if !instance.adapters.is_resident(adapter) => {
+            let full = instance.adapters.resident.len() as u32 >= instance.adapter_slots();
+            cost.adapter_load_s + if full { cost.adapter_eviction_s } else { 0.0 }
+        }
+        _ => 0.0,
+    }
+}
+
+/// The prefill-side estimate for one candidate (unified or prefill stage).
+pub fn prefill_terms(
+    ctx: &ScoringContext<'_>,
+    instance: &Instance,
+    mut terms: CostTerms,
+) -> CostTerms {
+    let cost = &ctx.config.cost;
+    let speed = instance.learned.prefill_tokens_per_s;
+    // Trust in the index is learned per instance from what the engine reports as cached.
+    let cached = f64::from((f64::from(terms.cached_tokens) * instance.learned.cache_trust) as u32);
+    let uncached = f64::from(ctx.prompt_tokens) - cached;
+    terms.cached_tokens = cached as u32;
+    terms.uncached_tokens = uncached as u32;
+    let view = load_view(ctx, instance);
+    terms.wait_s = view.pending_tokens / speed + slot_wait_s(instance, view.in_system);
+    terms.prefill_s = uncached / speed;
+    terms.adapter_s = adapter_s(ctx, instance);
+    terms.decode_penalty_s =
+        cost.decode_interference_weight * f64::from(view.running) * terms.prefill_s;
+    let new_tokens = uncached + f64::from(ctx.request.max_tokens);
+    terms.kv_penalty_s = kv_penalty_s(ctx, instance, &view, new_tokens);
+    terms
+}
+
+/// The decode-side estimate for one candidate of a disaggregated request: the KV transfer,
+/// waiting for a sequence slot, and the protections; no prefill happens there.
+pub fn decode_terms(
+    ctx: &ScoringContext<'_>,
+    instance: &Instance,
+    mut terms: CostTerms,
+) -> CostTerms {
+    let cost = &ctx.config.cost;
+    let view = load_view(ctx, instance);
+    terms.cached_tokens = 0;
+    terms.uncached_tokens = 0;
+    terms.transfer_s = f64::from(ctx.prompt_tokens) * cost.kv_transfer_s_per_token;
+    terms.wait_s = slot_wait_s(instance, view.in_system);
+    terms.adapter_s = adapter_s(ctx, instance);
+    // A decode joins the batch: every running sequence's step gets a little longer.
+    terms.decode_penalty_s = cost.decode_interference_weight * f64::from(view.running) * 0.01;
+    let new_tokens = f64::from(ctx.prompt_tokens) + f64::from(ctx.request.max_tokens);
+    terms.kv_penalty_s = kv_penalty_s(ctx, instance, &view, new_tokens);
+    terms
+}
+
+fn total(terms: &CostTerms) -> f64 {
+    terms.wait_s
+        + terms.prefill_s
+        + terms.adapter_s
+        + terms.transfer_s
+        + terms.decode_penalty_s
+        + terms.kv_penalty_s
+}
+
+/// Thrashing guard for adapters: a swap must beat an instance already holding the adapter by a
+/// margin, and an instance that just swapped is not asked to swap again within the cooldown.
+fn guard_adapter_swaps(ctx: &ScoringContext<'_>, candidates: &mut [Candidate]) {
+    let Some(adapter) = ctx.request.adapter else {
+        return;
+    };
+    let cost = &ctx.config.cost;
+    let resident_somewhere = candidates
+        .iter()
+        .any(|c| ctx.instance(c).adapters.is_resident(adapter));
+    let mut swappers = Vec::new();
+    for (i, c) in candidates.iter_mut().enumerate() {
+        let instance = ctx.instance(c);
+        if instance.adapters.is_resident(adapter) {
+            continue;
+        }
+        if resident_somewhere {
+            c.terms.adapter_s += cost.adapter_switch_margin_s;
+            c.score += cost.adapter_switch_margin_s;
+        }
+        // Evicting another adapter soon after the last swap is what thrashing looks like.
+        let slots_full = instance.adapters.resident.len() as u32 >= instance.adapter_slots();
+        let recently_swapped = instance
+            .adapters
+            .last_load_at
+            .is_some_and(|at| ctx.now - at < cost.adapter_cooldown_s);
+        if slots_full && recently_swapped {
+            swappers.push(i);
+        }
+    }
+    // Never exclude everyone: a request must go somewhere.
+    if swappers.len() < candidates.len() {
+        for i in swappers {
+            candidates[i].excluded = Some(Exclusion::AdapterCooldown);
+        }
+    }
+}
+
+impl Policy for CostPolicy {
+    fn name(&self) -> &'static str {
+        "cost"
+    }
+
+    fn uses_prefix_index(&self) -> bool {
+        true
+    }
+
+    fn tie_break(&self) -> TieBreak {
+        // Near-equal candidates already carry random offsets (see `near_ties_to_random`).
+        TieBreak::First
+    }
+
+    fn score(
+        &mut self,
+        ctx: &ScoringContext<'_>,
+        candidates: &mut [Candidate],
+        rng: &mut SmallRng,
+    ) {
+        debug_assert!(ctx.stage != Stage::Decode);
+        for c in candidates.iter_mut() {
+            c.terms = prefill_terms(ctx, ctx.instance(c), c.terms);
+            c.score = total(&c.terms);
+        }
+        guard_adapter_swaps(ctx, candidates);
+        near_ties_to_random(ctx, candidates, rng);
+    }
+
+    fn score_decode(
+        &mut self,
+        ctx: &ScoringContext<'_>,
+        candidates: &mut [Candidate],
+        rng: &mut SmallRng,
+    ) {
+        for c in candidates.iter_mut() {
+            c.terms = decode_terms(ctx, ctx.instance(c), c.terms);
+            c.score = total(&c.terms);
+        }
+        near_ties_to_random(ctx, candidates, rng);
+    }
+}
+
+/// Randomised tie-break among near-equal candidates: every candidate within the tolerance of
+/// the best gets the best score plus a tiny random offset, so the ranking picks one of them at
+/// random instead of always the first (no herding onto one instance).
+fn near_ties_to_random(ctx: &ScoringContext<'_>, candidates: &mut [Candidate], rng: &mut SmallRng) {
+    use rand::Rng;
+    let cost = &ctx.config.cost;
+    let best = candidates
+        .iter()
+        .filter(|c| c.excluded.is_none())
+        .map(|c| c.score)
+        .fold(f64::INFINITY, f64::min);
+    if !best.is_finite() {
+        return;
+    }
+    let limit = best + best.abs() * cost.tie_relative + cost.tie_absolute_s;
+    for c in candidates
+        .iter_mut()
+        .filter(|c| c.excluded.is_none() && c.score <= limit)
+    {
+        // The offset is far below any real difference and keeps the tied group ahead of the rest.
+        c.score = best + rng.random::<f64>() * 1e-12;
+    }
+}

@@ -1,0 +1,122 @@
+//! Modelled on the Gateway API Inference Extension's default endpoint picker profile
+//! (kubernetes-sigs/gateway-api-inference-extension, `EndpointPickerConfig` with
+//! `queue-scorer` weight 2, `kv-cache-utilization-scorer` weight 2, `prefix-cache-scorer`
+//! weight 3, and the `max-score-picker`). The queue scorer maps the engine's waiting queue to
+//! (max − q) / (max − min) over the candidates (1 when all are equal); the KV scorer is
+//! 1 − KV usage; the prefix scorer is the share of the prompt's 64-character blocks that the
+//! endpoint is believed to hold, from an LRU of blocks of prompts routed to it. Metrics come
+//! only from scrapes, as in the extension. Ties at random.
+
+use rand::rngs::SmallRng;
+use rand::Rng;
+
+use super::{depth_by_slot, Policy, ScoringContext, TieBreak};
+use crate::config::GieConfig;
+use crate::decision::Candidate;
+use crate::prefix::{chain_seed, prompt_block_hashes, BlockMatch, PrefixIndex, Slot};
+
+/// The GIE-style weighted-scorer policy with its own prefix LRU.
+pub struct Gie {
+    config: GieConfig,
+    prefix: PrefixIndex,
+    hashes: Vec<u64>,
+    matches: Vec<BlockMatch>,
+    depth: Vec<u32>,
+}
+
+impl Gie {
+    /// With the given weights.
+    pub fn new(config: GieConfig) -> Self {
+        Gie {
+            config,
+            prefix: PrefixIndex::new(),
+            hashes: Vec::new(),
+            matches: Vec::new(),
+            depth: Vec::new(),
+        }
+    }
+}
+
+impl Policy for Gie {
+    fn name(&self) -> &'static str {
+        "gie"
+    }
+
+    fn uses_prefix_index(&self) -> bool {
+        false
+    }
+
+    fn tie_break(&self) -> TieBreak {
+        TieBreak::First
+    }
+
+    fn score(
+        &mut self,
+        ctx: &ScoringContext<'_>,
+        candidates: &mut [Candidate],
+        rng: &mut SmallRng,
+    ) {
+        if candidates.is_empty() {
+            return;
+        }
+        let stale = ctx.config.estimates.metrics_stale_after_s;
+        let request = ctx.request;
+        self.hashes.clear();
+        let seed = chain_seed(request.model, request.adapter, None);
+        prompt_block_hashes(
+            &request.prompt,
+            seed,
+            self.config.block_chars,
+            &mut self.hashes,
+        );
+        self.prefix.lookup(&self.hashes, &mut self.matches);
+        depth_by_slot(&self.matches, ctx.fleet.slot_bound(), &mut self.depth);
+        let metrics: Vec<(f64, f64)> = candidates
+            .iter()
+            .map(|c| {
+                ctx.instance(c)
+                    .fresh_metrics(ctx.now, stale)
+                    .map_or((0.0, 0.0), |m| {
+                        (f64::from(m.waiting), m.kv_usage.unwrap_or(0.0))
+                    })
+            })
+            .collect();
+        let max_q = metrics.iter().map(|m| m.0).fold(f64::MIN, f64::max);
+        let min_q = metrics.iter().map(|m| m.0).fold(f64::MAX, f64::min);
+        let total_blocks = self.hashes.len().max(1) as f64;
+        let mut best = f64::MIN;
+        for (c, (queue, kv)) in candidates.iter_mut().zip(&metrics) {
+            let queue_score = if max_q > min_q {
+                (max_q - queue) / (max_q - min_q)
+            } else {
+                1.0
+            };
+            let kv_score = 1.0 - kv.clamp(0.0, 1.0);
+            let held = self.depth[c.instance.slot as usize];
+            let prefix_score = f64::from(held) / total_blocks;
+            let total = self.config.queue_weight * queue_score
+                + self.config.kv_cache_weight * kv_score
+                + self.config.prefix_weight * prefix_score;
+            c.terms.matched_blocks = held;
+            c.score = -total;
+            best = best.max(total);
+        }
+        // The max-score picker: uniform among the top scores.
+        let top: Vec<usize> = (0..candidates.len())
+            .filter(|&i| -candidates[i].score >= best)
+            .collect();
+        let pick = top[rng.random_range(0..top.len())];
+        candidates[pick].score -= 1e-9;
+        let slot = candidates[pick].instance.slot;
+        if self.prefix.capacity(slot) == 0 {
+            self.prefix
+                .set_capacity(slot, self.config.lru_capacity_per_server);
+        }
+        self.prefix.insert(slot, &self.hashes);
+    }
+
+    fn forget_instance(&mut self, slot: Slot) {
+        self.prefix.clear_slot(slot);
+        self.prefix.set_capacity(slot, 0);
+    }
+}

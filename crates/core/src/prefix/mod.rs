@@ -1,0 +1,7 @@
+//! Prefix-cache knowledge: how prompts become block hashes, and which instance holds which.
+
+pub mod hash;
+pub mod index;
+
+pub use hash::{chain_seed, prompt_block_hashes, token_block_hashes};
+pub use index::{BlockMatch, PrefixIndex, Slot};

@@ -1,0 +1,689 @@
+//! The routing brain: `route(request, now) -> Decision` and `observe(observation, now)`.
+
+use std::collections::BTreeSet;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use rustc_hash::FxHashMap;
+use thiserror::Error;
+
+use crate::config::{ConfigError, RouterConfig};
+use crate::decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan};
+use crate::exact::ExactIndex;
+use crate::fleet::{Fleet, Health, Instance, InstanceId, InstanceSpec, Learned};
+use crate::observe::{Observation, ObserveError, Usage};
+use crate::policy::{self, Policy, ScoringContext, Stage, TieBreak};
+use crate::prefix::{chain_seed, prompt_block_hashes, BlockMatch, PrefixIndex};
+use crate::request::{Phase, RequestId, RouteRequest};
+
+/// Why a request could not be routed at all.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum RouteError {
+    /// No instance serves this model.
+    #[error("no instance serves model `{0}`")]
+    UnknownModel(String),
+}
+
+/// What the router remembers about a request between `Routed` and its end.
+#[derive(Debug)]
+struct InFlight {
+    instance: InstanceId,
+    routed_at: f64,
+    last_heard: f64,
+    first_token_at: Option<f64>,
+    prompt_bytes: usize,
+    uncached_tokens: u32,
+    kv_tokens: u64,
+    /// Prefill work (tokens) ahead of and including this request when it was routed.
+    work_tokens: u64,
+    matched_blocks: u32,
+    predicted_cached_tokens: u32,
+    /// Touch sequence of each matched block when the request was routed.
+    matched_seqs: Vec<u64>,
+    /// Oldest insert still awaiting its first token on the instance when this one was routed.
+    pending_floor: Option<u64>,
+    /// Key of this request in the instance's pending set.
+    pending_key: (u64, u64),
+}
+
+/// The router: fleet view, prefix index, policy and learned estimates. Pure and single-threaded:
+/// the caller serialises access and passes the time in.
+pub struct Router {
+    config: RouterConfig,
+    fleet: Fleet,
+    index: PrefixIndex,
+    exact: ExactIndex,
+    policy: Box<dyn Policy>,
+    rng: SmallRng,
+    in_flight: FxHashMap<RequestId, InFlight>,
+    /// Per slot, the inserts whose requests have not produced a first token: (seq, request).
+    pending_inserts: Vec<BTreeSet<(u64, u64)>>,
+    bytes_per_token: f64,
+    observations_since_sweep: u32,
+    hashes: Vec<u64>,
+    matches: Vec<BlockMatch>,
+    depth_by_slot: Vec<u32>,
+}
+
+/// Moves `current` towards `sample` by `rate`.
+fn ewma(current: f64, sample: f64, rate: f64) -> f64 {
+    current + rate * (sample - current)
+}
+
+impl Router {
+    /// A router with the given settings and an empty fleet.
+    pub fn new(config: RouterConfig) -> Result<Router, ConfigError> {
+        config.validate()?;
+        let policy = policy::by_name(&config.policy, &config).ok_or_else(|| ConfigError {
+            key: "policy",
+            reason: format!("unknown policy `{}`", config.policy),
+        })?;
+        Ok(Router {
+            rng: SmallRng::seed_from_u64(config.seed),
+            bytes_per_token: config.estimates.bytes_per_token,
+            config,
+            fleet: Fleet::default(),
+            index: PrefixIndex::new(),
+            exact: ExactIndex::default(),
+            policy,
+            in_flight: FxHashMap::default(),
+            pending_inserts: Vec::new(),
+            observations_since_sweep: 0,
+            hashes: Vec::new(),
+            matches: Vec::new(),
+            depth_by_slot: Vec::new(),
+        })
+    }
+
+    /// Settings in force.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// The fleet view.
+    pub fn fleet(&self) -> &Fleet {
+        &self.fleet
+    }
+
+    /// The approximate prefix index.
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    /// Name of the policy in force.
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// Learned bytes of prompt text per token.
+    pub fn bytes_per_token(&self) -> f64 {
+        self.bytes_per_token
+    }
+
+    /// Requests the router believes are in flight.
+    pub fn in_flight_len(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Switches policy at runtime (the fleet view and learned estimates are kept).
+    pub fn set_policy(&mut self, name: &str) -> Result<(), ConfigError> {
+        let policy = policy::by_name(name, &self.config).ok_or_else(|| ConfigError {
+            key: "policy",
+            reason: format!(
+                "unknown policy `{name}`; choose one of {}",
+                policy::POLICY_NAMES.join(", ")
+            ),
+        })?;
+        self.config.policy = name.to_string();
+        self.policy = policy;
+        Ok(())
+    }
+
+    fn priors(&self, spec: &InstanceSpec) -> Learned {
+        let e = &self.config.estimates;
+        Learned {
+            prefill_tokens_per_s: spec.prefill_tokens_per_s.unwrap_or(e.prefill_tokens_per_s),
+            service_time_s: e.service_time_s,
+            cache_trust: 1.0,
+            mean_uncached_tokens: 1000.0,
+        }
+    }
+
+    fn index_capacity(&self, instance: &Instance) -> u32 {
+        match instance.kv_capacity_tokens() {
+            Some(tokens) => {
+                let bytes = tokens as f64 * self.bytes_per_token;
+                (bytes / self.config.index.block_bytes as f64)
+                    .ceil()
+                    .min(f64::from(u32::MAX)) as u32
+            }
+            None => self.config.index.default_capacity_blocks,
+        }
+    }
+
+    /// Routes one request: candidates ranked best first, with the reasons.
+    pub fn route(&mut self, request: &RouteRequest<'_>, now: f64) -> Result<Decision, RouteError> {
+        let pool = self.fleet.serving(request.model);
+        if pool.is_empty() {
+            return Err(RouteError::UnknownModel(request.model.to_string()));
+        }
+        let prompt_bytes = request.prompt.rendered_len();
+        let prompt_tokens = ((prompt_bytes as f64 / self.bytes_per_token).ceil() as u32).max(1);
+
+        // Which instances may take the request, and in which role.
+        let mut unified = Vec::with_capacity(pool.len());
+        let mut prefill = Vec::new();
+        let mut decode = Vec::new();
+        let mut excluded = Vec::new();
+        for &slot in pool {
+            let Some(instance) = self.fleet.by_slot(slot) else {
+                continue;
+            };
+            let candidate = |excluded| Candidate {
+                instance: instance.id,
+                score: f64::INFINITY,
+                terms: CostTerms::default(),
+                excluded,
+                tie: u64::from(slot),
+            };
+            let reason = match instance.health {
+                Health::Unhealthy => Some(Exclusion::Unhealthy),
+                Health::Draining => Some(Exclusion::Draining),
+                Health::Healthy => match request.adapter {
+                    Some(adapter) if !instance.can_serve_adapter(adapter) => {
+                        Some(Exclusion::AdapterUnavailable)
+                    }
+                    _ => self.saturation(instance, now),
+                },
+            };
+            if reason.is_some() {
+                excluded.push(candidate(reason));
+                continue;
+            }
+            match instance.spec.role {
+                crate::fleet::Role::Both => unified.push(candidate(None)),
+                crate::fleet::Role::Prefill => prefill.push(candidate(None)),
+                crate::fleet::Role::Decode => decode.push(candidate(None)),
+            }
+        }
+        let saturated = unified.is_empty()
+            && (prefill.is_empty() || decode.is_empty())
+            && excluded
+                .iter()
+                .any(|c| c.excluded == Some(Exclusion::Saturated));
+        // Split only when there is no instance that does both and the pool has both halves.
+        let disaggregate = request.phase == Phase::Any
+            && unified.is_empty()
+            && !prefill.is_empty()
+            && !decode.is_empty();
+        let (mut candidates, mut decode_candidates) = if disaggregate {
+            (prefill, decode)
+        } else {
+            for c in prefill.into_iter().chain(decode) {
+                excluded.push(Candidate {
+                    excluded: Some(Exclusion::WrongRole),
+                    ..c
+                });
+            }
+            (unified, Vec::new())
+        };
+
+        self.hashes.clear();
+        if self.policy.uses_prefix_index() {
+            let seed = chain_seed(request.model, request.adapter, request.cache_salt);
+            prompt_block_hashes(
+                &request.prompt,
+                seed,
+                self.config.index.block_bytes,
+                &mut self.hashes,
+            );
+            self.fill_matches(&mut candidates, prompt_tokens, request.token_ids);
+        } else {
+            for c in candidates.iter_mut() {
+                c.terms.uncached_tokens = prompt_tokens;
+            }
+        }
+
+        let stage = if disaggregate {
+            Stage::Prefill
+        } else {
+            Stage::Unified
+        };
+        let ctx = ScoringContext {
+            now,
+            request,
+            fleet: &self.fleet,
+            config: &self.config,
+            prompt_tokens,
+            bytes_per_token: self.bytes_per_token,
+            stage,
+        };
+        self.policy.score(&ctx, &mut candidates, &mut self.rng);
+        if disaggregate {
+            let ctx = ScoringContext {
+                stage: Stage::Decode,
+                ..ctx
+            };
+            self.policy
+                .score_decode(&ctx, &mut decode_candidates, &mut self.rng);
+        }
+        let tie = self.policy.tie_break();
+        let ranked_len = self.config.ranked_candidates;
+        let (eligible, ranked) = rank(&mut candidates, tie, ranked_len, &mut self.rng);
+        let (decode_eligible, _) = rank(&mut decode_candidates, tie, ranked_len, &mut self.rng);
+        candidates.extend(excluded);
+        Ok(Decision {
+            policy: self.policy.name(),
+            prompt_tokens,
+            candidates,
+            eligible,
+            ranked,
+            decode: decode_candidates,
+            decode_eligible,
+            saturated,
+            block_hashes: std::mem::take(&mut self.hashes),
+            prompt_bytes,
+            adapter: request.adapter.map(str::to_string),
+            max_tokens: request.max_tokens,
+        })
+    }
+
+    fn saturation(&self, instance: &Instance, now: f64) -> Option<Exclusion> {
+        let cost = &self.config.cost;
+        let over_in_flight = cost
+            .max_in_flight
+            .is_some_and(|max| instance.load.in_flight() >= max);
+        let over_waiting = cost.max_waiting.is_some_and(|max| {
+            instance
+                .fresh_metrics(now, self.config.estimates.metrics_stale_after_s)
+                .is_some_and(|m| m.waiting >= max)
+        });
+        (over_in_flight || over_waiting).then_some(Exclusion::Saturated)
+    }
+
+    /// Fills each candidate's matched blocks and predicted cached tokens from the index (exact
+    /// where the instance publishes KV events and the request carries token ids).
+    fn fill_matches(
+        &mut self,
+        candidates: &mut [Candidate],
+        prompt_tokens: u32,
+        token_ids: Option<&[u32]>,
+    ) {
+        self.index.lookup(&self.hashes, &mut self.matches);
+        self.depth_by_slot.clear();
+        self.depth_by_slot.resize(self.fleet.slot_bound(), 0);
+        for m in &self.matches {
+            self.depth_by_slot[m.slot as usize] = m.blocks;
+        }
+        let tokens_per_block = self.config.index.block_bytes as f64 / self.bytes_per_token;
+        // At least one prompt token is always computed, as engines do.
+        let max_cached = prompt_tokens.saturating_sub(1);
+        for c in candidates.iter_mut() {
+            let blocks = self.depth_by_slot[c.instance.slot as usize];
+            let mut cached = (f64::from(blocks) * tokens_per_block) as u32;
+            if let Some(tokens) = token_ids {
+                if let Some(exact) = self.exact.cached_tokens(c.instance.slot, tokens) {
+                    cached = exact;
+                }
+            }
+            c.terms.matched_blocks = blocks;
+            c.terms.cached_tokens = cached.min(max_cached);
+            c.terms.uncached_tokens = prompt_tokens - c.terms.cached_tokens;
+        }
+    }
+
+    /// Applies one observation.
+    pub fn observe(&mut self, observation: Observation, now: f64) -> Result<(), ObserveError> {
+        self.observations_since_sweep += 1;
+        if self.observations_since_sweep >= 4096 {
+            self.observations_since_sweep = 0;
+            self.expire_stale(now);
+        }
+        match observation {
+            Observation::InstanceAdded(spec) => self.add_instance(spec).map(|_| ()),
+            Observation::InstanceRemoved(id) => self.remove_instance(id),
+            Observation::HealthChanged(id, health) => {
+                let instance = self
+                    .fleet
+                    .get_mut(id)
+                    .ok_or(ObserveError::UnknownInstance(id))?;
+                instance.health = health;
+                Ok(())
+            }
+            Observation::MetricsScraped(id, metrics) => {
+                let instance = self
+                    .fleet
+                    .get_mut(id)
+                    .ok_or(ObserveError::UnknownInstance(id))?;
+                let slots = metrics.max_adapters.unwrap_or(instance.spec.adapter_slots);
+                for adapter in &metrics.running_adapters {
+                    if !instance.adapters.is_resident(adapter) {
+                        instance.adapters.resident.insert(0, adapter.clone());
+                        instance.adapters.resident.truncate(slots.max(1) as usize);
+                    }
+                }
+                instance.engine = Some((metrics, now));
+                if let Some(instance) = self.fleet.get(id) {
+                    let capacity = self.index_capacity(instance);
+                    if capacity != self.index.capacity(id.slot) {
+                        self.index.set_capacity(id.slot, capacity);
+                    }
+                }
+                Ok(())
+            }
+            Observation::Routed {
+                request,
+                instance,
+                plan,
+            } => self.on_routed(request, instance, plan, now),
+            Observation::FirstToken(request) => self.on_first_token(request, now),
+            Observation::Finished(request, usage) => self.on_end(request, usage, true, now),
+            Observation::Failed(request) => self.on_end(request, None, false, now),
+            Observation::KvEvents(id, events) => {
+                self.fleet
+                    .get(id)
+                    .ok_or(ObserveError::UnknownInstance(id))?;
+                self.exact.apply(id.slot, &events);
+                Ok(())
+            }
+        }
+    }
+
+    /// Adds an instance and returns its handle (also reachable as [`Observation::InstanceAdded`]).
+    pub fn add_instance(&mut self, spec: InstanceSpec) -> Result<InstanceId, ObserveError> {
+        if spec.name.is_empty() {
+            return Err(ObserveError::InvalidInstance("the name is empty".into()));
+        }
+        if spec.models.is_empty() {
+            return Err(ObserveError::InvalidInstance(format!(
+                "`{}` serves no model",
+                spec.name
+            )));
+        }
+        let learned = self.priors(&spec);
+        let id = self
+            .fleet
+            .add(spec, learned)
+            .map_err(ObserveError::DuplicateInstance)?;
+        let slot = id.slot as usize;
+        if self.pending_inserts.len() <= slot {
+            self.pending_inserts.resize_with(slot + 1, BTreeSet::new);
+        }
+        // Invariant: the instance was just added.
+        let capacity = self.index_capacity(self.fleet.get(id).expect("just added"));
+        self.index.set_capacity(id.slot, capacity);
+        Ok(id)
+    }
+
+    fn remove_instance(&mut self, id: InstanceId) -> Result<(), ObserveError> {
+        self.fleet
+            .remove(id)
+            .ok_or(ObserveError::UnknownInstance(id))?;
+        self.index.clear_slot(id.slot);
+        self.exact.clear_slot(id.slot);
+        self.policy.forget_instance(id.slot);
+        self.in_flight.retain(|_, r| r.instance != id);
+        self.pending_inserts[id.slot as usize].clear();
+        Ok(())
+    }
+
+    fn on_routed(
+        &mut self,
+        request: RequestId,
+        id: InstanceId,
+        plan: RoutePlan,
+        now: f64,
+    ) -> Result<(), ObserveError> {
+        if self.in_flight.contains_key(&request) {
+            return Err(ObserveError::DuplicateRequest(request));
+        }
+        let rate = self.config.estimates.learning_rate;
+        let instance = self
+            .fleet
+            .get_mut(id)
+            .ok_or(ObserveError::UnknownInstance(id))?;
+        let uncached = if plan.is_decode_only {
+            0
+        } else {
+            plan.prompt_tokens
+                .saturating_sub(plan.predicted_cached_tokens)
+        };
+        let work_tokens = instance.load.pending_tokens + u64::from(uncached);
+        let kv_tokens = u64::from(plan.prompt_tokens) + u64::from(plan.max_tokens);
+        instance.load.pending_requests += 1;
+        instance.load.pending_tokens += u64::from(uncached);
+        instance.load.kv_tokens += kv_tokens;
+        if !plan.is_decode_only {
+            instance.learned.mean_uncached_tokens = ewma(
+                instance.learned.mean_uncached_tokens,
+                f64::from(uncached),
+                rate,
+            );
+        }
+        if let Some(adapter) = &plan.adapter {
+            let slots = instance.adapter_slots();
+            instance.adapters.touch(adapter, slots, now);
+        }
+        let slot = id.slot;
+        let matched = (plan.matched_blocks as usize).min(plan.block_hashes.len());
+        let matched_seqs = plan.block_hashes[..matched]
+            .iter()
+            .map(|&h| self.index.seq_of(slot, h).unwrap_or(0))
+            .collect();
+        let pending = &mut self.pending_inserts[slot as usize];
+        let pending_floor = pending.first().map(|&(seq, _)| seq);
+        let pending_key = (self.index.current_seq() + 1, request.0);
+        pending.insert(pending_key);
+        if !plan.is_decode_only {
+            self.index.insert(slot, &plan.block_hashes);
+        }
+        self.in_flight.insert(
+            request,
+            InFlight {
+                instance: id,
+                routed_at: now,
+                last_heard: now,
+                first_token_at: None,
+                prompt_bytes: plan.prompt_bytes,
+                uncached_tokens: uncached,
+                kv_tokens,
+                work_tokens,
+                matched_blocks: plan.matched_blocks,
+                predicted_cached_tokens: plan.predicted_cached_tokens,
+                matched_seqs,
+                pending_floor,
+                pending_key,
+            },
+        );
+        Ok(())
+    }
+
+    fn on_first_token(&mut self, request: RequestId, now: f64) -> Result<(), ObserveError> {
+        let record = self
+            .in_flight
+            .get_mut(&request)
+            .ok_or(ObserveError::UnknownRequest(request))?;
+        record.last_heard = now;
+        if record.first_token_at.is_some() {
+            return Ok(());
+        }
+        record.first_token_at = Some(now);
+        let e = &self.config.estimates;
+        let Some(instance) = self.fleet.get_mut(record.instance) else {
+            return Ok(());
+        };
+        instance.load.pending_requests -= 1;
+        instance.load.pending_tokens -= u64::from(record.uncached_tokens);
+        instance.load.running_requests += 1;
+        self.pending_inserts[record.instance.slot as usize].remove(&record.pending_key);
+        let elapsed = now - record.routed_at - e.ttft_overhead_s;
+        if record.work_tokens >= e.min_sample_tokens && elapsed > 0.0 {
+            let prior = instance
+                .spec
+                .prefill_tokens_per_s
+                .unwrap_or(e.prefill_tokens_per_s);
+            let sample = (record.work_tokens as f64 / elapsed).clamp(prior / 16.0, prior * 16.0);
+            let learned = &mut instance.learned;
+            learned.prefill_tokens_per_s =
+                ewma(learned.prefill_tokens_per_s, sample, e.learning_rate);
+        }
+        Ok(())
+    }
+
+    fn on_end(
+        &mut self,
+        request: RequestId,
+        usage: Option<Usage>,
+        finished: bool,
+        now: f64,
+    ) -> Result<(), ObserveError> {
+        let record = self
+            .in_flight
+            .remove(&request)
+            .ok_or(ObserveError::UnknownRequest(request))?;
+        let rate = self.config.estimates.learning_rate;
+        let slot = record.instance.slot;
+        if record.first_token_at.is_none() {
+            self.pending_inserts[slot as usize].remove(&record.pending_key);
+        }
+        let Some(instance) = self.fleet.get_mut(record.instance) else {
+            return Ok(());
+        };
+        match record.first_token_at {
+            None => {
+                instance.load.pending_requests -= 1;
+                instance.load.pending_tokens -= u64::from(record.uncached_tokens);
+            }
+            Some(_) => instance.load.running_requests -= 1,
+        }
+        instance.load.kv_tokens -= record.kv_tokens;
+        if !finished {
+            return Ok(());
+        }
+        instance.learned.service_time_s = ewma(
+            instance.learned.service_time_s,
+            now - record.routed_at,
+            rate,
+        );
+        let Some(usage) = usage else { return Ok(()) };
+        if usage.prompt_tokens > 0 && record.prompt_bytes > 0 {
+            let sample = record.prompt_bytes as f64 / f64::from(usage.prompt_tokens);
+            self.bytes_per_token = ewma(self.bytes_per_token, sample.clamp(0.5, 64.0), rate * 0.1);
+        }
+        if let Some(cached) = usage.cached_tokens {
+            self.feedback(&record, cached);
+        }
+        Ok(())
+    }
+
+    /// Reconciles the index with the cached-token count the engine reported.
+    fn feedback(&mut self, record: &InFlight, cached: u32) {
+        if self.config.index.disable_feedback
+            || record.matched_blocks == 0
+            || record.predicted_cached_tokens == 0
+        {
+            return;
+        }
+        let rate = self.config.estimates.learning_rate;
+        let tokens_per_block = self.config.index.block_bytes as f64 / self.bytes_per_token;
+        let reported_blocks = (f64::from(cached) / tokens_per_block).floor() as u32;
+        let Some(instance) = self.fleet.get_mut(record.instance) else {
+            return;
+        };
+        // One block of slack: tokenisation moves block boundaries a little.
+        if reported_blocks + 1 >= record.matched_blocks {
+            instance.learned.cache_trust = ewma(instance.learned.cache_trust, 1.0, rate);
+            return;
+        }
+        let wrong = reported_blocks as usize;
+        let Some(&seq) = record.matched_seqs.get(wrong) else {
+            return;
+        };
+        // If a request still being prefilled touched that block, the engine may simply not have
+        // finished computing it: no evidence of eviction.
+        if record.pending_floor.is_some_and(|floor| seq >= floor) {
+            return;
+        }
+        let share = (f64::from(cached) / f64::from(record.predicted_cached_tokens)).min(1.0);
+        instance.learned.cache_trust = ewma(instance.learned.cache_trust, share, rate);
+        self.index.forget_not_newer_than(record.instance.slot, seq);
+    }
+
+    /// Forgets in-flight requests not heard of within the configured time to live.
+    pub fn expire_stale(&mut self, now: f64) -> usize {
+        let ttl = self.config.in_flight_ttl_s;
+        let stale: Vec<RequestId> = self
+            .in_flight
+            .iter()
+            .filter(|(_, r)| now - r.last_heard > ttl)
+            .map(|(&id, _)| id)
+            .collect();
+        for &id in &stale {
+            // Invariant: the id was just read from the map.
+            self.on_end(id, None, false, now)
+                .expect("stale request is in flight");
+        }
+        stale.len()
+    }
+
+    /// What the router has learned about an instance.
+    pub fn learned(&self, id: InstanceId) -> Option<Learned> {
+        self.fleet.get(id).map(|i| i.learned)
+    }
+}
+
+/// Orders eligible candidates first, the best `ranked_len` of them sorted by score with the tie
+/// rule, in place; returns (eligible count, ranked count).
+fn rank(
+    candidates: &mut [Candidate],
+    tie: TieBreak,
+    ranked_len: usize,
+    rng: &mut SmallRng,
+) -> (usize, usize) {
+    // Policies may exclude (e.g. the adapter cooldown): those go after the eligible ones.
+    let mut eligible = 0;
+    for i in 0..candidates.len() {
+        if candidates[i].excluded.is_none() {
+            candidates.swap(eligible, i);
+            eligible += 1;
+        }
+    }
+    let head = &mut candidates[..eligible];
+    match tie {
+        TieBreak::First => {}
+        TieBreak::Exact => head.iter_mut().for_each(|c| c.tie = rng.random()),
+        TieBreak::Near { relative, absolute } => {
+            let best = head.iter().map(|c| c.score).fold(f64::INFINITY, f64::min);
+            let limit = best + best.abs() * relative + absolute;
+            for c in head.iter_mut() {
+                c.tie = rng.random();
+                if c.score <= limit {
+                    c.score = best;
+                }
+            }
+        }
+    }
+    let better =
+        |a: &Candidate, b: &Candidate| a.score.total_cmp(&b.score).then(a.tie.cmp(&b.tie)).is_lt();
+    let ranked = ranked_len.min(eligible);
+    // One pass keeps the best `ranked` positions in order (ranked is small, eligible may be
+    // thousands), then they are swapped to the front.
+    let mut best: Vec<usize> = Vec::with_capacity(ranked + 1);
+    for i in 0..head.len() {
+        if best.len() == ranked && !better(&head[i], &head[best[ranked - 1]]) {
+            continue;
+        }
+        let at = best.partition_point(|&j| !better(&head[i], &head[j]));
+        best.insert(at, i);
+        best.truncate(ranked);
+    }
+    for j in 0..best.len() {
+        let from = best[j];
+        head.swap(j, from);
+        // The element that was at `j` now lives at `from`; if it is ranked later, follow it.
+        if let Some(later) = best[j + 1..].iter_mut().find(|k| **k == j) {
+            *later = from;
+        }
+    }
+    (eligible, ranked)
+}

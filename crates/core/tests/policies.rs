@@ -1,0 +1,709 @@
+//! Documented behaviour of each policy, through the public API.
+
+use std::collections::BTreeMap;
+
+use switchyard_core::{
+    EngineMetrics, Health, InstanceId, InstanceSpec, Observation, RequestId, Role, RouteRequest,
+    Router, RouterConfig, Usage,
+};
+
+fn router(policy: &str, n: usize) -> (Router, Vec<InstanceId>) {
+    let config = RouterConfig {
+        policy: policy.into(),
+        ..Default::default()
+    };
+    let mut router = Router::new(config).unwrap();
+    let ids = (0..n)
+        .map(|i| {
+            router
+                .add_instance(InstanceSpec::new(format!("i{i}"), "m"))
+                .unwrap()
+        })
+        .collect();
+    (router, ids)
+}
+
+/// A prompt of about `tokens` tokens made of a shared `prefix` and a unique tail.
+fn prompt(prefix: &str, tokens: usize, unique: u64) -> String {
+    let mut text = String::new();
+    while text.len() < tokens * 4 / 2 {
+        text.push_str(prefix);
+    }
+    text.truncate(tokens * 4 / 2);
+    let tail = format!("question {unique} ");
+    while text.len() < tokens * 4 {
+        text.push_str(&tail);
+    }
+    text
+}
+
+/// Routes and records the request at the best candidate; returns where it went.
+fn send(router: &mut Router, id: u64, request: &RouteRequest<'_>, now: f64) -> InstanceId {
+    let decision = router.route(request, now).unwrap();
+    let pick = decision.best().expect("an eligible candidate");
+    let plan = decision.plan_for(pick);
+    router
+        .observe(
+            Observation::Routed {
+                request: RequestId(id),
+                instance: pick,
+                plan,
+            },
+            now,
+        )
+        .unwrap();
+    pick
+}
+
+fn finish(router: &mut Router, id: u64, now: f64) {
+    router
+        .observe(Observation::FirstToken(RequestId(id)), now)
+        .unwrap();
+    router
+        .observe(Observation::Finished(RequestId(id), None), now)
+        .unwrap();
+}
+
+#[test]
+fn cost_follows_the_cached_prefix_when_instances_are_idle() {
+    let (mut router, _) = router("cost", 4);
+    let text = prompt("system prompt about ships. ", 2000, 1);
+    let first = send(&mut router, 1, &RouteRequest::text("m", &text), 0.0);
+    finish(&mut router, 1, 0.2);
+    for id in 2..10 {
+        let text = prompt("system prompt about ships. ", 2000, id);
+        let pick = send(&mut router, id, &RouteRequest::text("m", &text), id as f64);
+        finish(&mut router, id, id as f64 + 0.1);
+        assert_eq!(
+            pick, first,
+            "request {id} should reuse the cached system prompt"
+        );
+    }
+}
+
+#[test]
+fn cost_spreads_a_hot_prefix_once_its_holder_queues_up() {
+    let (mut router, _) = router("cost", 4);
+    let mut picks = BTreeMap::new();
+    // 40 requests share a long prefix and arrive together: none finishes in between.
+    for id in 0..40 {
+        let text = prompt("the hot shared prefix. ", 4000, id);
+        let pick = send(&mut router, id, &RouteRequest::text("m", &text), 0.0);
+        *picks.entry(pick).or_insert(0) += 1;
+    }
+    assert_eq!(picks.len(), 4, "every instance takes part: {picks:?}");
+    let max = *picks.values().max().unwrap();
+    assert!(max <= 20, "no instance takes half of the burst: {picks:?}");
+    // The prefix is now replicated: each instance holds it.
+    let text = prompt("the hot shared prefix. ", 4000, 99);
+    let decision = router.route(&RouteRequest::text("m", &text), 0.0).unwrap();
+    for c in decision.eligible_candidates() {
+        assert!(c.terms.cached_tokens > 1500, "{:?}", c.terms);
+    }
+}
+
+#[test]
+fn cost_ties_are_broken_at_random_not_to_the_first_instance() {
+    let (mut router, _) = router("cost", 4);
+    let mut seen = BTreeMap::new();
+    for i in 0..200 {
+        let text = format!("unrelated prompt number {i} with nothing shared at all");
+        let decision = router.route(&RouteRequest::text("m", &text), 0.0).unwrap();
+        *seen.entry(decision.best().unwrap()).or_insert(0) += 1;
+    }
+    assert_eq!(seen.len(), 4);
+    assert!(seen.values().all(|&n| n > 25), "{seen:?}");
+}
+
+#[test]
+fn cost_learns_a_slow_instance_and_moves_away_from_it() {
+    let (mut router, ids) = router("cost", 2);
+    let before = router.learned(ids[0]).unwrap().prefill_tokens_per_s;
+    // Requests to instance 0 take 2 s to first token for 2000 tokens: 1000 tokens/s.
+    let mut now = 0.0;
+    for id in 0..30u64 {
+        let text = prompt(&format!("distinct {id} "), 2000, id);
+        let decision = router.route(&RouteRequest::text("m", &text), now).unwrap();
+        let plan = decision.plan_for(ids[0]);
+        router
+            .observe(
+                Observation::Routed {
+                    request: RequestId(id),
+                    instance: ids[0],
+                    plan,
+                },
+                now,
+            )
+            .unwrap();
+        now += 2.0;
+        finish(&mut router, id, now);
+    }
+    let after = router.learned(ids[0]).unwrap().prefill_tokens_per_s;
+    assert!(after < before / 4.0, "learned {after} from prior {before}");
+    let text = prompt("fresh ", 2000, 1000);
+    let decision = router.route(&RouteRequest::text("m", &text), now).unwrap();
+    assert_eq!(decision.best(), Some(ids[1]));
+}
+
+#[test]
+fn cost_prefers_a_resident_adapter_and_guards_against_thrashing() {
+    let config = RouterConfig::default();
+    let mut router = Router::new(config).unwrap();
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let spec = InstanceSpec {
+            adapters: vec!["a".into(), "b".into(), "c".into()],
+            adapter_slots: 1,
+            ..InstanceSpec::new(format!("i{i}"), "m")
+        };
+        ids.push(router.add_instance(spec).unwrap());
+    }
+    let with = |adapter| RouteRequest {
+        adapter: Some(adapter),
+        ..RouteRequest::text("m", "hello there")
+    };
+    let first = send(&mut router, 1, &with("a"), 0.0);
+    finish(&mut router, 1, 0.5);
+    // "a" is now resident on `first`, which wins although all are idle.
+    for id in 2..6 {
+        assert_eq!(send(&mut router, id, &with("a"), id as f64), first);
+        finish(&mut router, id, id as f64 + 0.1);
+    }
+    // Load "b" elsewhere; right after, swapping that instance to "c" is refused while another
+    // instance can take "c".
+    let b_holder = send(&mut router, 10, &with("b"), 10.0);
+    assert_ne!(b_holder, first);
+    finish(&mut router, 10, 10.1);
+    let decision = router.route(&with("c"), 10.2).unwrap();
+    let cooled = decision.candidate(b_holder).unwrap();
+    assert_eq!(
+        cooled.excluded,
+        Some(switchyard_core::Exclusion::AdapterCooldown)
+    );
+    assert_ne!(decision.best(), Some(b_holder));
+}
+
+#[test]
+fn adapters_go_only_where_they_can_be_served() {
+    let mut router = Router::new(RouterConfig::default()).unwrap();
+    let plain = router
+        .add_instance(InstanceSpec::new("plain", "m"))
+        .unwrap();
+    let lora = InstanceSpec {
+        adapters: vec!["x".into()],
+        ..InstanceSpec::new("lora", "m")
+    };
+    let lora = router.add_instance(lora).unwrap();
+    let request = RouteRequest {
+        adapter: Some("x"),
+        ..RouteRequest::text("m", "hi")
+    };
+    let decision = router.route(&request, 0.0).unwrap();
+    assert_eq!(decision.best(), Some(lora));
+    assert_eq!(decision.eligible, 1);
+    assert_eq!(
+        decision.candidate(plain).unwrap().excluded,
+        Some(switchyard_core::Exclusion::AdapterUnavailable)
+    );
+}
+
+#[test]
+fn unhealthy_and_draining_instances_are_never_picked() {
+    let (mut router, ids) = router("cost", 3);
+    router
+        .observe(Observation::HealthChanged(ids[0], Health::Unhealthy), 0.0)
+        .unwrap();
+    router
+        .observe(Observation::HealthChanged(ids[1], Health::Draining), 0.0)
+        .unwrap();
+    for i in 0..50 {
+        let text = format!("prompt {i}");
+        assert_eq!(
+            router
+                .route(&RouteRequest::text("m", &text), 0.0)
+                .unwrap()
+                .best(),
+            Some(ids[2])
+        );
+    }
+    router
+        .observe(Observation::HealthChanged(ids[2], Health::Unhealthy), 0.0)
+        .unwrap();
+    let decision = router.route(&RouteRequest::text("m", "x"), 0.0).unwrap();
+    assert_eq!(decision.best(), None);
+    assert_eq!(
+        decision.candidates.len(),
+        3,
+        "excluded candidates are explained"
+    );
+}
+
+#[test]
+fn unknown_model_is_an_error() {
+    let (mut router, _) = router("cost", 1);
+    assert!(router
+        .route(&RouteRequest::text("other", "x"), 0.0)
+        .is_err());
+}
+
+#[test]
+fn disaggregated_pools_split_by_role() {
+    let mut router = Router::new(RouterConfig::default()).unwrap();
+    let p = router
+        .add_instance(InstanceSpec {
+            role: Role::Prefill,
+            ..InstanceSpec::new("p", "m")
+        })
+        .unwrap();
+    let d = router
+        .add_instance(InstanceSpec {
+            role: Role::Decode,
+            ..InstanceSpec::new("d", "m")
+        })
+        .unwrap();
+    let decision = router
+        .route(&RouteRequest::text("m", "hello"), 0.0)
+        .unwrap();
+    assert!(decision.is_disaggregated());
+    assert_eq!(decision.best(), Some(p));
+    assert_eq!(decision.best_decode(), Some(d));
+    assert!(decision.decode[0].terms.transfer_s > 0.0);
+    // A request that must not be split has nowhere to go in a pool without `both` instances.
+    let unified = RouteRequest {
+        phase: switchyard_core::Phase::Unified,
+        ..RouteRequest::text("m", "hello")
+    };
+    let decision = router.route(&unified, 0.0).unwrap();
+    assert_eq!(decision.best(), None);
+    assert!(decision
+        .candidates
+        .iter()
+        .all(|c| c.excluded == Some(switchyard_core::Exclusion::WrongRole)));
+}
+
+#[test]
+fn feedback_drops_what_the_engine_did_not_hold() {
+    let (mut router, ids) = router("cost", 1);
+    let older = prompt("an even older prompt. ", 2000, 0);
+    let text = prompt("prefix that will be evicted. ", 2000, 1);
+    let newer = prompt("something newer. ", 2000, 2);
+    for (id, p) in [(0, &older), (1, &text), (2, &newer)] {
+        send(&mut router, id, &RouteRequest::text("m", p), id as f64);
+        finish(&mut router, id, id as f64 + 0.1);
+    }
+    // The index predicts a full match for `text`...
+    let decision = router.route(&RouteRequest::text("m", &text), 3.0).unwrap();
+    assert!(decision.candidate(ids[0]).unwrap().terms.cached_tokens > 1900);
+    let plan = decision.plan_for(ids[0]);
+    router
+        .observe(
+            Observation::Routed {
+                request: RequestId(3),
+                instance: ids[0],
+                plan,
+            },
+            3.0,
+        )
+        .unwrap();
+    router
+        .observe(Observation::FirstToken(RequestId(3)), 3.1)
+        .unwrap();
+    // ...but the engine had evicted it: it reports nothing cached.
+    let usage = Usage {
+        prompt_tokens: 2000,
+        cached_tokens: Some(0),
+        completion_tokens: 10,
+    };
+    router
+        .observe(Observation::Finished(RequestId(3), Some(usage)), 4.0)
+        .unwrap();
+    // An LRU engine that evicted `text` also evicted everything older: `older` is forgotten.
+    // What came after (`newer`, and `text` as request 3 just recomputed it) is kept.
+    let matched = |router: &mut Router, p: &str| {
+        let decision = router.route(&RouteRequest::text("m", p), 4.0).unwrap();
+        decision.candidate(ids[0]).unwrap().terms.matched_blocks
+    };
+    assert_eq!(matched(&mut router, &older), 0);
+    assert!(matched(&mut router, &newer) > 25);
+    assert!(matched(&mut router, &text) > 25);
+    assert!(router.learned(ids[0]).unwrap().cache_trust < 1.0);
+}
+
+#[test]
+fn concurrent_requests_are_no_evidence_of_eviction() {
+    let (mut router, ids) = router("cost", 1);
+    let text = prompt("shared by two requests in flight. ", 2000, 1);
+    send(&mut router, 1, &RouteRequest::text("m", &text), 0.0);
+    // Request 2 is routed while request 1 is still prefilling: the engine cannot hit yet.
+    send(&mut router, 2, &RouteRequest::text("m", &text), 0.0);
+    finish(&mut router, 1, 1.0);
+    router
+        .observe(Observation::FirstToken(RequestId(2)), 1.0)
+        .unwrap();
+    let usage = Usage {
+        prompt_tokens: 2000,
+        cached_tokens: Some(0),
+        completion_tokens: 10,
+    };
+    router
+        .observe(Observation::Finished(RequestId(2), Some(usage)), 2.0)
+        .unwrap();
+    let decision = router.route(&RouteRequest::text("m", &text), 2.0).unwrap();
+    assert!(decision.candidate(ids[0]).unwrap().terms.matched_blocks > 25);
+}
+
+#[test]
+fn stale_engine_metrics_are_not_trusted() {
+    let (mut router, ids) = router("cost", 2);
+    let busy = EngineMetrics {
+        waiting: 50,
+        running: 100,
+        ..Default::default()
+    };
+    router
+        .observe(Observation::MetricsScraped(ids[0], busy), 0.0)
+        .unwrap();
+    let fresh = router.route(&RouteRequest::text("m", "x"), 1.0).unwrap();
+    assert_eq!(
+        fresh.best(),
+        Some(ids[1]),
+        "fresh metrics show instance 0 is busy"
+    );
+    let decision = router.route(&RouteRequest::text("m", "x"), 100.0).unwrap();
+    let c0 = decision.candidate(ids[0]).unwrap();
+    let c1 = decision.candidate(ids[1]).unwrap();
+    assert_eq!(
+        c0.terms.wait_s, c1.terms.wait_s,
+        "stale metrics count as unknown"
+    );
+}
+
+#[test]
+fn saturated_instances_are_excluded_and_the_decision_says_so() {
+    let config = RouterConfig {
+        cost: switchyard_core::config::CostConfig {
+            max_in_flight: Some(2),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut router = Router::new(config).unwrap();
+    router.add_instance(InstanceSpec::new("a", "m")).unwrap();
+    for id in 0..2 {
+        send(&mut router, id, &RouteRequest::text("m", "x"), 0.0);
+    }
+    let decision = router.route(&RouteRequest::text("m", "x"), 0.0).unwrap();
+    assert!(decision.saturated);
+    assert_eq!(decision.best(), None);
+}
+
+#[test]
+fn round_robin_cycles_through_instances() {
+    let (mut router, ids) = router("round-robin", 3);
+    let picks: Vec<_> = (0..6)
+        .map(|_| {
+            router
+                .route(&RouteRequest::text("m", "x"), 0.0)
+                .unwrap()
+                .best()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(picks, [ids[0], ids[1], ids[2], ids[0], ids[1], ids[2]]);
+}
+
+#[test]
+fn least_load_picks_the_fewest_in_flight() {
+    let (mut router, ids) = router("least-load", 3);
+    for (id, &instance) in [ids[0], ids[0], ids[1]].iter().enumerate() {
+        let decision = router.route(&RouteRequest::text("m", "x"), 0.0).unwrap();
+        let plan = decision.plan_for(instance);
+        router
+            .observe(
+                Observation::Routed {
+                    request: RequestId(id as u64),
+                    instance,
+                    plan,
+                },
+                0.0,
+            )
+            .unwrap();
+    }
+    assert_eq!(
+        router
+            .route(&RouteRequest::text("m", "x"), 0.0)
+            .unwrap()
+            .best(),
+        Some(ids[2])
+    );
+}
+
+#[test]
+fn power_of_two_never_picks_the_most_loaded_of_three() {
+    let (mut router, ids) = router("power-of-two", 3);
+    let loads = [5u64, 0, 2];
+    let mut next = 0;
+    for (i, &n) in loads.iter().enumerate() {
+        for _ in 0..n {
+            let decision = router.route(&RouteRequest::text("m", "x"), 0.0).unwrap();
+            let plan = decision.plan_for(ids[i]);
+            router
+                .observe(
+                    Observation::Routed {
+                        request: RequestId(next),
+                        instance: ids[i],
+                        plan,
+                    },
+                    0.0,
+                )
+                .unwrap();
+            next += 1;
+        }
+    }
+    for _ in 0..100 {
+        assert_ne!(
+            router
+                .route(&RouteRequest::text("m", "x"), 0.0)
+                .unwrap()
+                .best(),
+            Some(ids[0])
+        );
+    }
+}
+
+/// Puts `n` unfinished requests on `instance` (they raise its load).
+fn load_up(router: &mut Router, instance: InstanceId, n: u64, first_id: u64) {
+    for id in first_id..first_id + n {
+        let decision = router
+            .route(&RouteRequest::text("m", "filler"), 0.0)
+            .unwrap();
+        let plan = decision.plan_for(instance);
+        router
+            .observe(
+                Observation::Routed {
+                    request: RequestId(id),
+                    instance,
+                    plan,
+                },
+                0.0,
+            )
+            .unwrap();
+    }
+}
+
+#[test]
+fn sglang_falls_back_to_least_load_exactly_when_both_thresholds_hold() {
+    let text = prompt("cached everywhere? no, only on zero. ", 1000, 1);
+    // Instance 0 holds the prompt; its load differs from instance 1's by `extra`.
+    let case = |load0: u64, load1: u64| {
+        let (mut router, ids) = router("sglang-cache-aware", 2);
+        send(&mut router, 1000, &RouteRequest::text("m", &text), 0.0); // goes to 0 (smallest tree, first)
+        finish(&mut router, 1000, 0.0);
+        load_up(&mut router, ids[0], load0, 0);
+        load_up(&mut router, ids[1], load1, 500);
+        router
+            .route(&RouteRequest::text("m", &text), 0.0)
+            .unwrap()
+            .best()
+            .unwrap()
+            == ids[0]
+    };
+    assert!(case(0, 0), "balanced: follows the cache");
+    assert!(case(100, 40), "diff 60 <= 64: follows the cache");
+    assert!(
+        !case(100, 30),
+        "diff 70 > 64 and 100 > 1.5 x 30: least load"
+    );
+    assert!(
+        case(200, 134),
+        "diff 66 > 64 but 200 <= 1.5 x 134: follows the cache"
+    );
+    assert!(!case(200, 133), "diff 67 > 64 and 200 > 199.5: least load");
+}
+
+#[test]
+fn sglang_sends_unmatched_prompts_to_the_smallest_tree_and_ties_to_the_first() {
+    let (mut router, ids) = router("sglang-cache-aware", 3);
+    assert_eq!(
+        send(
+            &mut router,
+            1,
+            &RouteRequest::text("m", &"a".repeat(400)),
+            0.0
+        ),
+        ids[0]
+    );
+    assert_eq!(
+        send(
+            &mut router,
+            2,
+            &RouteRequest::text("m", &"b".repeat(800)),
+            0.0
+        ),
+        ids[1]
+    );
+    assert_eq!(
+        send(
+            &mut router,
+            3,
+            &RouteRequest::text("m", &"c".repeat(100)),
+            0.0
+        ),
+        ids[2]
+    );
+    // Smallest tree is now instance 2 (100 chars).
+    assert_eq!(
+        send(
+            &mut router,
+            4,
+            &RouteRequest::text("m", &"d".repeat(100)),
+            0.0
+        ),
+        ids[2]
+    );
+    // A prompt matching instance 1's tree above the threshold goes there.
+    let matching = format!("{}{}", "b".repeat(800), "z".repeat(100));
+    assert_eq!(
+        send(&mut router, 5, &RouteRequest::text("m", &matching), 0.0),
+        ids[1]
+    );
+}
+
+#[test]
+fn dynamo_cost_is_prefill_blocks_plus_decode_blocks() {
+    let (mut router, ids) = router("dynamo-kv", 2);
+    load_up(&mut router, ids[0], 1, 0);
+    let text = "q".repeat(4 * 320); // 320 tokens = 20 blocks of 16
+    let decision = router.route(&RouteRequest::text("m", &text), 0.0).unwrap();
+    let c1 = decision.candidate(ids[1]).unwrap();
+    assert_eq!(
+        c1.score,
+        20.0 + 20.0,
+        "idle: request's prefill blocks + its decode blocks"
+    );
+    let c0 = decision.candidate(ids[0]).unwrap();
+    // The filler ("filler" = 2 tokens, max_tokens 128) adds its pending prefill and its KV.
+    let filler_prefill = 2.0 / 16.0;
+    let filler_kv = (2.0 + 128.0) / 16.0;
+    assert!(
+        (c0.score - (40.0 + filler_prefill + filler_kv)).abs() < 1e-9,
+        "{}",
+        c0.score
+    );
+    assert_eq!(decision.best(), Some(ids[1]));
+}
+
+#[test]
+fn gie_weighs_queue_kv_and_prefix_scores() {
+    let (mut router, ids) = router("gie", 2);
+    let text = prompt("gie shared prefix. ", 1000, 1);
+    let first = send(&mut router, 1, &RouteRequest::text("m", &text), 0.0);
+    let other = if first == ids[0] { ids[1] } else { ids[0] };
+    // Equal metrics: the prefix scorer (weight 3) decides.
+    let again = prompt("gie shared prefix. ", 1000, 1);
+    assert_eq!(
+        router
+            .route(&RouteRequest::text("m", &again), 0.0)
+            .unwrap()
+            .best(),
+        Some(first)
+    );
+    // The holder's queue is the longest and its KV the fullest: 3 x ~1.0 prefix < 2 + 2.
+    let busy = EngineMetrics {
+        waiting: 10,
+        kv_usage: Some(1.0),
+        ..Default::default()
+    };
+    let idle = EngineMetrics {
+        waiting: 0,
+        kv_usage: Some(0.0),
+        ..Default::default()
+    };
+    router
+        .observe(Observation::MetricsScraped(first, busy), 0.0)
+        .unwrap();
+    router
+        .observe(Observation::MetricsScraped(other, idle), 0.0)
+        .unwrap();
+    let decision = router.route(&RouteRequest::text("m", &again), 0.0).unwrap();
+    assert_eq!(decision.best(), Some(other));
+    let holder = decision.candidate(first).unwrap();
+    assert!(
+        (-holder.score - 3.0).abs() < 0.01,
+        "prefix score ~1 x 3: {}",
+        holder.score
+    );
+}
+
+#[test]
+fn kubeai_hashes_the_prefix_and_bounds_the_load() {
+    let (mut router, _ids) = router("kubeai-chwbl", 4);
+    let text = "same first hundred characters ".repeat(10);
+    let home = router
+        .route(&RouteRequest::text("m", &text), 0.0)
+        .unwrap()
+        .best()
+        .unwrap();
+    for _ in 0..5 {
+        assert_eq!(
+            router
+                .route(&RouteRequest::text("m", &text), 0.0)
+                .unwrap()
+                .best(),
+            Some(home)
+        );
+    }
+    // Only the first 100 characters matter.
+    let longer = format!("{text}and a different tail");
+    assert_eq!(
+        router
+            .route(&RouteRequest::text("m", &longer), 0.0)
+            .unwrap()
+            .best(),
+        Some(home)
+    );
+    // Load the home instance beyond 1.25 x the mean: the request moves on along the ring.
+    load_up(&mut router, home, 3, 0);
+    let moved = router
+        .route(&RouteRequest::text("m", &text), 0.0)
+        .unwrap()
+        .best()
+        .unwrap();
+    assert_ne!(moved, home);
+}
+
+#[test]
+fn a_decision_explains_itself() {
+    let (mut router, _) = router("cost", 2);
+    let decision = router
+        .route(&RouteRequest::text("m", &prompt("x", 500, 1)), 0.0)
+        .unwrap();
+    let text = decision.explain(2);
+    assert!(text.contains("policy=cost"), "{text}");
+    assert!(text.contains("uncached="), "{text}");
+    let json = serde_json::to_value(&decision).unwrap();
+    assert!(
+        json["candidates"][0]["terms"]["prefill_s"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+}
+
+#[test]
+fn policies_can_be_switched_at_runtime() {
+    let (mut router, _) = router("cost", 2);
+    router.set_policy("round-robin").unwrap();
+    assert_eq!(router.policy_name(), "round-robin");
+    assert!(router.set_policy("nonsense").is_err());
+}
+
+#[test]
+fn lost_requests_expire_and_free_their_load() {
+    let (mut router, ids) = router("cost", 1);
+    send(&mut router, 1, &RouteRequest::text("m", "x"), 0.0);
+    assert_eq!(router.fleet().get(ids[0]).unwrap().load.in_flight(), 1);
+    assert_eq!(router.expire_stale(10_000.0), 1);
+    assert_eq!(router.fleet().get(ids[0]).unwrap().load.in_flight(), 0);
+    assert_eq!(router.in_flight_len(), 0);
+}
