@@ -151,15 +151,19 @@ impl Decision {
         }
     }
 
-    /// A one-line summary for logs and the debug header: the top candidates with their terms.
+    /// A one-line summary for logs: the top candidates with their terms, instances as `slot#generation`.
     pub fn explain(&self, top: usize) -> String {
+        self.explain_with(top, |id| format!("{}#{}", id.slot, id.generation))
+    }
+
+    /// Like [`Decision::explain`], with instances named by `name` (e.g. the backend's name).
+    pub fn explain_with(&self, top: usize, name: impl Fn(InstanceId) -> String) -> String {
         let mut parts = Vec::new();
         for c in self.ranked_candidates().take(top) {
             let t = &c.terms;
             parts.push(format!(
-                "{}#{} score={:.4} wait={:.4} prefill={:.4} adapter={:.3} cached={} uncached={}",
-                c.instance.slot,
-                c.instance.generation,
+                "{} score={:.4} wait={:.4} prefill={:.4} adapter={:.3} cached={} uncached={}",
+                name(c.instance),
                 c.score,
                 t.wait_s,
                 t.prefill_s,

@@ -1,0 +1,169 @@
+//! `switchyard route`: what the router would decide for one request against a described fleet.
+//!
+//! A dry run of the routing brain, for checking a fleet file and a policy's reasoning without
+//! any engine running.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use serde::Deserialize;
+use switchyard_core::{
+    ChatMessage, EngineMetrics, InstanceSpec, Observation, Prompt, RouteRequest, Router,
+    RouterConfig,
+};
+
+/// Flags of `switchyard route`.
+#[derive(Debug, Args)]
+pub struct RouteArgs {
+    /// Fleet file (JSON): {"instances": [InstanceSpec...], "metrics": {"name": EngineMetrics}}.
+    #[arg(long)]
+    fleet: PathBuf,
+    /// Router settings file (JSON, any subset of the keys in docs/core.md).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Policy name (overrides the config): cost, round-robin, random, least-load, power-of-two,
+    /// sglang-cache-aware, dynamo-kv, gie, kubeai-chwbl.
+    #[arg(long)]
+    policy: Option<String>,
+    /// Model asked for.
+    #[arg(long)]
+    model: String,
+    /// LoRA adapter asked for.
+    #[arg(long)]
+    adapter: Option<String>,
+    /// Completion prompt text.
+    #[arg(long, conflicts_with_all = ["prompt_file", "chat_file"])]
+    prompt: Option<String>,
+    /// File holding the completion prompt.
+    #[arg(long, conflicts_with = "chat_file")]
+    prompt_file: Option<PathBuf>,
+    /// File holding chat messages as JSON: [{"role": "...", "content": "..."}].
+    #[arg(long)]
+    chat_file: Option<PathBuf>,
+    /// Generation budget.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: u32,
+    /// Print the whole decision as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The fleet file's shape.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FleetFile {
+    instances: Vec<InstanceSpec>,
+    #[serde(default)]
+    metrics: std::collections::BTreeMap<String, EngineMetrics>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Message {
+    role: String,
+    content: String,
+}
+
+fn read(path: &PathBuf) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+/// Runs the command.
+pub fn run(args: RouteArgs) -> anyhow::Result<()> {
+    let mut config: RouterConfig = match &args.config {
+        Some(path) => serde_json::from_str(&read(path)?)
+            .with_context(|| format!("invalid config {}", path.display()))?,
+        None => RouterConfig::default(),
+    };
+    if let Some(policy) = &args.policy {
+        config.policy = policy.clone();
+    }
+    let mut router = Router::new(config)?;
+    let fleet: FleetFile = serde_json::from_str(&read(&args.fleet)?)
+        .with_context(|| format!("invalid fleet file {}", args.fleet.display()))?;
+    if fleet.instances.is_empty() {
+        bail!("the fleet file lists no instances");
+    }
+    let mut names = Vec::new();
+    for spec in fleet.instances {
+        let name = spec.name.clone();
+        let id = router
+            .add_instance(spec)
+            .with_context(|| format!("instance `{name}`"))?;
+        names.push((id, name));
+    }
+    for (name, metrics) in fleet.metrics {
+        let Some(id) = router.fleet().id_of(&name) else {
+            bail!("metrics given for unknown instance `{name}`");
+        };
+        router.observe(Observation::MetricsScraped(id, metrics), 0.0)?;
+    }
+    let text;
+    let messages: Vec<Message>;
+    let chat: Vec<ChatMessage<'_>>;
+    let prompt = if let Some(path) = &args.chat_file {
+        messages = serde_json::from_str(&read(path)?)
+            .with_context(|| format!("invalid chat file {}", path.display()))?;
+        chat = messages
+            .iter()
+            .map(|m| ChatMessage {
+                role: &m.role,
+                content: &m.content,
+            })
+            .collect();
+        Prompt::Chat(&chat)
+    } else {
+        text = match (&args.prompt, &args.prompt_file) {
+            (Some(p), _) => p.clone(),
+            (None, Some(path)) => read(path)?,
+            (None, None) => bail!("give --prompt, --prompt-file or --chat-file"),
+        };
+        Prompt::Text(&text)
+    };
+    let request = RouteRequest {
+        adapter: args.adapter.as_deref(),
+        prompt,
+        max_tokens: args.max_tokens,
+        ..RouteRequest::text(&args.model, "")
+    };
+    let decision = router.route(&request, 0.0)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&decision)?);
+        return Ok(());
+    }
+    let name_of = |id| {
+        names
+            .iter()
+            .find(|(i, _)| *i == id)
+            .map_or("?", |(_, n)| n.as_str())
+    };
+    println!(
+        "policy {}  prompt ≈ {} tokens  saturated: {}",
+        decision.policy, decision.prompt_tokens, decision.saturated
+    );
+    println!(
+        "{:<4} {:<24} {:>10} {:>8} {:>8} {:>8} {:>8}  note",
+        "rank", "instance", "score", "wait_s", "prefill", "adapter", "cached"
+    );
+    let rows = decision.candidates.iter().chain(decision.decode.iter());
+    for (rank, c) in rows.enumerate() {
+        let note = match c.excluded {
+            Some(reason) => format!("excluded: {reason:?}"),
+            None if decision.decode.iter().any(|d| d.instance == c.instance) => {
+                "decode".to_string()
+            }
+            None => String::new(),
+        };
+        println!(
+            "{:<4} {:<24} {:>10.4} {:>8.4} {:>8.4} {:>8.3} {:>8}  {note}",
+            rank + 1,
+            name_of(c.instance),
+            c.score,
+            c.terms.wait_s,
+            c.terms.prefill_s,
+            c.terms.adapter_s,
+            c.terms.cached_tokens
+        );
+    }
+    Ok(())
+}

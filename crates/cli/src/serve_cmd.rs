@@ -1,0 +1,339 @@
+//! `switchyard serve`: the gateway, an OpenAI-compatible router in front of a fleet of engines.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use switchyard_core::RouterConfig;
+use switchyard_gateway::config::{load_router_config, parse_api_keys};
+use switchyard_gateway::{BackendSpec, Settings};
+
+/// Parses seconds (fractions allowed) into a duration.
+pub fn parse_secs(s: &str) -> Result<Duration, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !(v.is_finite() && v >= 0.0) {
+        return Err(format!("`{s}` must be >= 0"));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+/// Flags of `switchyard serve`.
+#[derive(Debug, Clone, Args)]
+#[command(
+    about = "Run the gateway: an OpenAI-compatible router and load balancer in front of inference engines",
+    long_about = "Run the gateway: an OpenAI-compatible HTTP router in front of a fleet of inference \
+engines (vLLM, SGLang, llama.cpp, the Switchyard emulator).\n\n\
+Serves POST /v1/completions, /v1/chat/completions, /v1/embeddings; GET /v1/models, /health, \
+/metrics; admin endpoints under /admin (with --admin-token). Prints `listening on http://ADDR` \
+on stdout once ready. SIGINT/SIGTERM stop accepting and let in-flight responses finish for up \
+to --drain-timeout; SIGHUP reloads the fleet file. See docs/gateway.md."
+)]
+pub struct ServeArgs {
+    /// Address to listen on (port 0: ephemeral).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// A backend: URL[,role=prefill|decode|both][,models=a+b][,adapters=x+y]
+    /// [,kind=vllm|sglang|llamacpp|trtllm|auto][,name=N][,weight=W] (repeatable). Without
+    /// models=, the models and adapters are discovered from the backend's /v1/models.
+    #[arg(long = "backend", value_name = "URL[,key=value...]")]
+    pub backends: Vec<String>,
+    /// Fleet file (YAML, or TOML/JSON by extension) with `backends: [...]`; watched and
+    /// reloaded on change (or SIGHUP) without dropping traffic.
+    #[arg(long, value_name = "FILE")]
+    pub fleet_file: Option<PathBuf>,
+    /// Router settings file (any subset of the keys in docs/core.md; TOML, JSON or YAML).
+    #[arg(long, value_name = "FILE")]
+    pub router_config: Option<PathBuf>,
+    /// Routing policy (overrides the router settings): cost, round-robin, random, least-load,
+    /// power-of-two, sglang-cache-aware, dynamo-kv, gie, kubeai-chwbl.
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// Router-side requests in flight at which a backend counts as saturated
+    /// (router setting cost.max_in_flight).
+    #[arg(long, value_name = "N")]
+    pub max_in_flight: Option<u32>,
+    /// Engine-reported waiting requests at which a backend counts as saturated
+    /// (router setting cost.max_waiting).
+    #[arg(long, value_name = "N")]
+    pub max_waiting: Option<u32>,
+    /// Requests that may wait for capacity when every backend is saturated (0: 429 at once).
+    #[arg(long, default_value_t = 256)]
+    pub queue_size: usize,
+    /// Seconds a request may wait for capacity before 429 with Retry-After.
+    #[arg(long, default_value = "10", value_parser = parse_secs)]
+    pub queue_timeout: Duration,
+    /// Largest accepted request body in bytes (413 above).
+    #[arg(long, default_value_t = 16 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Further candidates tried when an attempt fails before its first byte.
+    #[arg(long, default_value_t = 2)]
+    pub max_retries: u32,
+    /// Seconds to connect to a backend.
+    #[arg(long, default_value = "2", value_parser = parse_secs)]
+    pub connect_timeout: Duration,
+    /// Seconds to wait for a backend's response headers (504 after).
+    #[arg(long, default_value = "600", value_parser = parse_secs)]
+    pub upstream_timeout: Duration,
+    /// Seconds between engine metrics scrapes.
+    #[arg(long, default_value = "0.5", value_parser = parse_secs)]
+    pub scrape_interval: Duration,
+    /// Seconds between active health checks (GET /health).
+    #[arg(long, default_value = "2", value_parser = parse_secs)]
+    pub health_interval: Duration,
+    /// Seconds allowed for one health check, scrape or discovery call.
+    #[arg(long, default_value = "2", value_parser = parse_secs)]
+    pub probe_timeout: Duration,
+    /// Consecutive failures (checks or 5xx answers) that eject a backend; a refused
+    /// connection ejects at once.
+    #[arg(long, default_value_t = 3)]
+    pub eject_after: u32,
+    /// Consecutive passed health checks that readmit an ejected backend.
+    #[arg(long, default_value_t = 2)]
+    pub readmit_after: u32,
+    /// Seconds in-flight responses may take to finish after SIGINT/SIGTERM, or a removed
+    /// backend to drain.
+    #[arg(long, default_value = "30", value_parser = parse_secs)]
+    pub drain_timeout: Duration,
+    /// File of client API keys (one per line, `#` comments); clients must send
+    /// `Authorization: Bearer KEY`. Adds to SWITCHYARD_API_KEYS (comma-separated).
+    #[arg(long, value_name = "FILE")]
+    pub api_keys_file: Option<PathBuf>,
+    /// Token for /admin/* (sent as `Authorization: Bearer TOKEN`); without it the admin API
+    /// is disabled.
+    #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Add `x-switchyard-decision` (the decision explained) and `x-switchyard-backend`
+    /// response headers.
+    #[arg(long)]
+    pub debug_header: bool,
+    /// Do not add `stream_options.include_usage` to streamed requests that lack it (the
+    /// gateway otherwise adds it to learn from the engine's usage and strips that chunk).
+    #[arg(long)]
+    pub no_usage_injection: bool,
+}
+
+/// Builds the gateway settings from the flags (and the environment for API keys).
+pub fn settings(args: &ServeArgs) -> Result<Settings> {
+    let mut router = match &args.router_config {
+        Some(path) => load_router_config(path)?,
+        None => RouterConfig::default(),
+    };
+    if let Some(p) = &args.policy {
+        router.policy = p.clone();
+    }
+    if args.max_in_flight.is_some() {
+        router.cost.max_in_flight = args.max_in_flight;
+    }
+    if args.max_waiting.is_some() {
+        router.cost.max_waiting = args.max_waiting;
+    }
+    router.validate()?;
+    let backends = args
+        .backends
+        .iter()
+        .map(|b| BackendSpec::parse_flag(b))
+        .collect::<Result<Vec<_>, _>>()?;
+    if backends.is_empty() && args.fleet_file.is_none() {
+        bail!("no backends: give --backend URL (repeatable) or --fleet-file FILE");
+    }
+    let mut api_keys = match std::env::var("SWITCHYARD_API_KEYS") {
+        Ok(v) => parse_api_keys(&v),
+        Err(_) => Default::default(),
+    };
+    if let Some(path) = &args.api_keys_file {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let keys = parse_api_keys(&text);
+        if keys.is_empty() {
+            bail!("{} holds no API key", path.display());
+        }
+        api_keys.extend(keys);
+    }
+    if args.admin_token.as_deref().is_some_and(str::is_empty) {
+        bail!("--admin-token must not be empty");
+    }
+    if args.scrape_interval.is_zero() || args.health_interval.is_zero() {
+        bail!("--scrape-interval and --health-interval must be > 0");
+    }
+    Ok(Settings {
+        listen: args.listen,
+        router,
+        backends,
+        fleet_file: args.fleet_file.clone(),
+        max_body_bytes: args.max_body_bytes,
+        max_retries: args.max_retries,
+        connect_timeout: args.connect_timeout,
+        upstream_timeout: args.upstream_timeout,
+        scrape_interval: args.scrape_interval,
+        health_interval: args.health_interval,
+        probe_timeout: args.probe_timeout,
+        eject_after: args.eject_after.max(1),
+        readmit_after: args.readmit_after.max(1),
+        queue_size: args.queue_size,
+        queue_timeout: args.queue_timeout,
+        drain_timeout: args.drain_timeout,
+        api_keys,
+        admin_token: args.admin_token.clone(),
+        debug_header: args.debug_header,
+        inject_usage: !args.no_usage_injection,
+    })
+}
+
+/// Runs `switchyard serve`.
+pub fn run(args: ServeArgs) -> Result<()> {
+    let settings = settings(&args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        // Handlers first, so a signal right after the address line is not lost.
+        let signal = switchyard_emulator::shutdown_signal()?;
+        let gateway = switchyard_gateway::start(settings).await?;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "listening on http://{}", gateway.addr)?;
+        out.flush()?;
+        drop(out);
+        tracing::info!(addr = %gateway.addr, "gateway listening");
+        gateway.run_until(signal).await?;
+        tracing::info!("stopped");
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+
+    #[test]
+    fn flags_become_settings() {
+        let cli = Cli::try_parse_from([
+            "x",
+            "--backend",
+            "127.0.0.1:1,models=m",
+            "--backend",
+            "http://127.0.0.1:2,role=decode,models=m",
+            "--policy",
+            "least-load",
+            "--max-in-flight",
+            "4",
+            "--queue-timeout",
+            "0.25",
+            "--max-retries",
+            "1",
+        ])
+        .unwrap();
+        let s = settings(&cli.args).unwrap();
+        assert_eq!(s.backends.len(), 2);
+        assert_eq!(s.router.policy, "least-load");
+        assert_eq!(s.router.cost.max_in_flight, Some(4));
+        assert_eq!(s.queue_timeout, Duration::from_millis(250));
+        assert_eq!(s.max_retries, 1);
+        assert_eq!(s.listen.to_string(), "127.0.0.1:8080");
+    }
+
+    #[test]
+    fn every_flag_parses() {
+        let dir =
+            std::env::temp_dir().join(format!("switchyard-serve-flags-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let keys = dir.join("keys");
+        std::fs::write(&keys, "k1\nk2\n").unwrap();
+        let rc = dir.join("router.json");
+        std::fs::write(&rc, r#"{"policy": "random"}"#).unwrap();
+        let cli = Cli::try_parse_from([
+            "x",
+            "--listen",
+            "127.0.0.1:0",
+            "--backend",
+            "h:1,models=m",
+            "--fleet-file",
+            "/nonexistent/fleet.yaml",
+            "--router-config",
+            rc.to_str().unwrap(),
+            "--policy",
+            "gie",
+            "--max-in-flight",
+            "3",
+            "--max-waiting",
+            "5",
+            "--queue-size",
+            "7",
+            "--queue-timeout",
+            "1.5",
+            "--max-body-bytes",
+            "1000",
+            "--max-retries",
+            "4",
+            "--connect-timeout",
+            "0.5",
+            "--upstream-timeout",
+            "9",
+            "--scrape-interval",
+            "0.2",
+            "--health-interval",
+            "0.3",
+            "--probe-timeout",
+            "0.4",
+            "--eject-after",
+            "5",
+            "--readmit-after",
+            "6",
+            "--drain-timeout",
+            "8",
+            "--api-keys-file",
+            keys.to_str().unwrap(),
+            "--admin-token",
+            "adm",
+            "--debug-header",
+            "--no-usage-injection",
+        ])
+        .unwrap();
+        let s = settings(&cli.args).unwrap();
+        assert_eq!(s.listen.port(), 0);
+        assert_eq!(s.backends[0].models, vec!["m"]);
+        assert!(s.fleet_file.is_some());
+        assert_eq!(s.router.policy, "gie");
+        assert_eq!(s.router.cost.max_in_flight, Some(3));
+        assert_eq!(s.router.cost.max_waiting, Some(5));
+        assert_eq!(s.queue_size, 7);
+        assert_eq!(s.queue_timeout, Duration::from_millis(1500));
+        assert_eq!(s.max_body_bytes, 1000);
+        assert_eq!(s.max_retries, 4);
+        assert_eq!(s.connect_timeout, Duration::from_millis(500));
+        assert_eq!(s.upstream_timeout, Duration::from_secs(9));
+        assert_eq!(s.scrape_interval, Duration::from_millis(200));
+        assert_eq!(s.health_interval, Duration::from_millis(300));
+        assert_eq!(s.probe_timeout, Duration::from_millis(400));
+        assert_eq!((s.eject_after, s.readmit_after), (5, 6));
+        assert_eq!(s.drain_timeout, Duration::from_secs(8));
+        assert!(s.api_keys.contains("k1") && s.api_keys.contains("k2"));
+        assert_eq!(s.admin_token.as_deref(), Some("adm"));
+        assert!(s.debug_header);
+        assert!(!s.inject_usage);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn refusals() {
+        let none = Cli::try_parse_from(["x"]).unwrap();
+        assert!(settings(&none.args).is_err());
+        let bad = Cli::try_parse_from(["x", "--backend", "nohost"]).unwrap();
+        assert!(settings(&bad.args).is_err());
+        let policy = Cli::try_parse_from(["x", "--backend", "h:1", "--policy", "nope"]).unwrap();
+        assert!(settings(&policy.args).is_err());
+        assert!(parse_secs("-1").is_err());
+        assert!(parse_secs("x").is_err());
+    }
+}

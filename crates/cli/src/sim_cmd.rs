@@ -1,0 +1,291 @@
+//! `switchyard sim`: every routing policy over the same workload on a simulated fleet.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use switchyard_core::RouterConfig;
+use switchyard_sim::config::{default_engine, groups_for_roles, parse_roles};
+use switchyard_sim::switchyard_engine::{EngineConfig, Profile};
+use switchyard_sim::switchyard_workload::{
+    AdapterMix, ArrivalProcess, GroupSelection, SharedPrefixSpec, TraceSpec, WorkloadSpec,
+};
+use switchyard_sim::{FleetFile, InstanceGroup, SimConfig, Split};
+
+/// Arguments of `switchyard sim`.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// Policies to compare, comma-separated (default: all).
+    #[arg(long, value_delimiter = ',')]
+    policies: Vec<String>,
+
+    /// Workload spec file (JSON `WorkloadSpec`); overrides the workload flags below.
+    #[arg(long, value_name = "FILE")]
+    workload: Option<PathBuf>,
+    /// Replay a trace: `mooncake` (the shipped conversation trace) or a Mooncake-format file.
+    #[arg(long, value_name = "NAME|FILE")]
+    trace: Option<String>,
+    /// Trace arrival speed-up (2 = twice the trace's rate).
+    #[arg(long, default_value_t = 1.0)]
+    rate_scale: f64,
+    /// Keep at most this many trace rows.
+    #[arg(long)]
+    max_requests: Option<u64>,
+    /// Keep trace rows from this trace time on (seconds).
+    #[arg(long)]
+    start_s: Option<f64>,
+    /// Keep trace rows before this trace time (seconds).
+    #[arg(long)]
+    end_s: Option<f64>,
+    /// Generated shared-prefix groups (SGLang's generated-shared-prefix benchmark).
+    #[arg(long)]
+    shared_prefix: bool,
+    /// Shared-prefix: number of groups (system prompts).
+    #[arg(long, default_value_t = 64)]
+    groups: u32,
+    /// Shared-prefix: requests per group in one epoch.
+    #[arg(long, default_value_t = 16)]
+    prompts_per_group: u32,
+    /// Shared-prefix: system prompt tokens.
+    #[arg(long, default_value_t = 2048)]
+    system_prompt_len: u32,
+    /// Shared-prefix: question tokens.
+    #[arg(long, default_value_t = 128)]
+    question_len: u32,
+    /// Shared-prefix: output tokens.
+    #[arg(long, default_value_t = 256)]
+    output_len: u32,
+    /// Shared-prefix: draw each request's group with Zipf popularity of this exponent.
+    #[arg(long)]
+    zipf: Option<f64>,
+    /// Shared-prefix: total requests (default one epoch: groups × prompts per group).
+    #[arg(long)]
+    num_requests: Option<u64>,
+    /// Poisson arrivals at this rate (requests/s) for generated workloads (default: all at 0);
+    /// for a trace, replaces its timestamps.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Give requests LoRA adapters: this many, with Zipf popularity (see --adapter-zipf).
+    #[arg(long)]
+    adapters: Option<u32>,
+    /// Zipf exponent of adapter popularity.
+    #[arg(long, default_value_t = 1.0)]
+    adapter_zipf: f64,
+
+    /// Instances (all both-role unless --roles or --fleet).
+    #[arg(long, default_value_t = 8)]
+    instances: u32,
+    /// Engine profile file (JSON, or TOML by extension).
+    #[arg(long, value_name = "FILE")]
+    profile: Option<PathBuf>,
+    /// KV cache blocks per instance.
+    #[arg(long)]
+    num_gpu_blocks: Option<u32>,
+    /// Max running sequences per instance.
+    #[arg(long)]
+    max_num_seqs: Option<u32>,
+    /// Token budget of one engine step.
+    #[arg(long)]
+    max_num_batched_tokens: Option<u32>,
+    /// Longest prompt + output an instance accepts.
+    #[arg(long)]
+    max_model_len: Option<u32>,
+    /// Adapter slots per instance.
+    #[arg(long)]
+    max_loras: Option<u32>,
+    /// Role split such as 4p4d (prefill/decode/both counts); replaces --instances.
+    #[arg(long)]
+    roles: Option<String>,
+    /// Fleet file: `{"groups": [{"count": N, "engine": {EngineConfig}}]}`; replaces the above.
+    #[arg(long, value_name = "FILE")]
+    fleet: Option<PathBuf>,
+
+    /// Router settings file (JSON `RouterConfig`; its `policy` is ignored).
+    #[arg(long, value_name = "FILE")]
+    router_config: Option<PathBuf>,
+    /// Router replicas, each seeing its share of the traffic.
+    #[arg(long, default_value_t = 1)]
+    replicas: u32,
+    /// How traffic is split among replicas: round-robin or random.
+    #[arg(long, default_value = "round-robin")]
+    split: Split,
+    /// Seconds between metrics scrapes of each instance.
+    #[arg(long, default_value_t = 1.0)]
+    scrape_interval: f64,
+    /// Tell the router each instance's prefill speed from its profile (instead of its prior).
+    #[arg(long)]
+    prior_from_profile: bool,
+    /// Seed of the workload, the replica split and the routers.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// TTFT SLO in seconds for the goodput columns.
+    #[arg(long, default_value_t = 2.0)]
+    ttft_slo: f64,
+    /// Skip the lower-bound row (it keeps every prompt block hash seen in memory).
+    #[arg(long)]
+    no_lower_bound: bool,
+    /// Policy whose per-instance queues are charted (default: cost, if run).
+    #[arg(long)]
+    queue_policy: Option<String>,
+    /// Instances charted in the queue chart (the first ones).
+    #[arg(long, default_value_t = 16)]
+    queue_instances: usize,
+    /// Write results.json, results.md and SVG charts here.
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+}
+
+fn workload(args: &SimArgs) -> anyhow::Result<WorkloadSpec> {
+    let base =
+        if let Some(path) = &args.workload {
+            WorkloadSpec::from_file(path).with_context(|| format!("reading {}", path.display()))?
+        } else if let Some(trace) = &args.trace {
+            WorkloadSpec::Trace(TraceSpec {
+                path: if trace == "mooncake" {
+                    PathBuf::new()
+                } else {
+                    PathBuf::from(trace)
+                },
+                rate_scale: args.rate_scale,
+                start_s: args.start_s,
+                end_s: args.end_s,
+                max_requests: args.max_requests,
+                arrivals: args.rate.map(|rate| ArrivalProcess::Poisson { rate }),
+                ..TraceSpec::default()
+            })
+        } else if args.shared_prefix {
+            WorkloadSpec::SharedPrefix(SharedPrefixSpec {
+                num_groups: args.groups,
+                prompts_per_group: args.prompts_per_group,
+                system_prompt_len: args.system_prompt_len,
+                question_len: args.question_len,
+                output_len: args.output_len,
+                num_requests: args.num_requests,
+                group_selection: match args.zipf {
+                    Some(exponent) => GroupSelection::Zipf { exponent },
+                    None => GroupSelection::Shuffled,
+                },
+                arrivals: args.rate.map_or(ArrivalProcess::Instant, |rate| {
+                    ArrivalProcess::Poisson { rate }
+                }),
+                ..SharedPrefixSpec::default()
+            })
+        } else {
+            bail!("choose a workload: --workload FILE, --trace mooncake or --shared-prefix");
+        };
+    Ok(match args.adapters {
+        Some(adapters) => WorkloadSpec::Adapters {
+            workload: Box::new(base),
+            mix: AdapterMix {
+                adapters,
+                zipf_exponent: args.adapter_zipf,
+                ..AdapterMix::default()
+            },
+        },
+        None => base,
+    })
+}
+
+fn engine_template(args: &SimArgs) -> anyhow::Result<EngineConfig> {
+    let mut engine = default_engine();
+    if let Some(path) = &args.profile {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        engine.profile = if path.extension().is_some_and(|e| e == "toml") {
+            Profile::from_toml_str(&text)?
+        } else {
+            Profile::from_json_str(&text)?
+        };
+    }
+    if let Some(v) = args.num_gpu_blocks {
+        engine.num_gpu_blocks = v;
+    }
+    if let Some(v) = args.max_num_seqs {
+        engine.max_num_seqs = v;
+    }
+    if let Some(v) = args.max_num_batched_tokens {
+        engine.max_num_batched_tokens = v;
+    }
+    if let Some(v) = args.max_model_len {
+        engine.max_model_len = v;
+    }
+    if let Some(v) = args.max_loras {
+        engine.max_loras = v;
+    }
+    // Keep the default context limit within a smaller KV cache.
+    let capacity = u64::from(engine.num_gpu_blocks) * u64::from(engine.block_size);
+    if args.max_model_len.is_none() && u64::from(engine.max_model_len) > capacity {
+        engine.max_model_len = capacity as u32;
+    }
+    Ok(engine)
+}
+
+fn sim_config(args: &SimArgs) -> anyhow::Result<SimConfig> {
+    let fleet = if let Some(path) = &args.fleet {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        FleetFile::from_json_str(&text)?.groups
+    } else if let Some(roles) = &args.roles {
+        groups_for_roles(&parse_roles(roles)?, &engine_template(args)?)
+    } else {
+        vec![InstanceGroup {
+            count: args.instances,
+            engine: engine_template(args)?,
+        }]
+    };
+    let router = match &args.router_config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str::<RouterConfig>(&text)
+                .with_context(|| format!("parsing {}", path.display()))?
+        }
+        None => RouterConfig::default(),
+    };
+    Ok(SimConfig {
+        fleet,
+        router,
+        replicas: args.replicas,
+        split: args.split,
+        scrape_interval_s: args.scrape_interval,
+        seed: args.seed,
+        ttft_slo_s: args.ttft_slo,
+        prior_from_profile: args.prior_from_profile,
+        queue_chart_instances: args.queue_instances,
+        lower_bound: !args.no_lower_bound,
+        model: None,
+    })
+}
+
+/// Runs `switchyard sim`.
+pub fn run(args: SimArgs) -> anyhow::Result<()> {
+    let spec = workload(&args)?;
+    let config = sim_config(&args)?;
+    let policies: Vec<String> = if args.policies.is_empty() {
+        switchyard_core::policy::POLICY_NAMES
+            .iter()
+            .map(|p| p.to_string())
+            .collect()
+    } else {
+        args.policies.clone()
+    };
+    let started = std::time::Instant::now();
+    let output = switchyard_sim::run(&config, &spec, &policies, args.queue_policy.as_deref())?;
+    let wall = started.elapsed().as_secs_f64();
+    print!("{}", output.results.text_table());
+    let parts: Vec<String> = output
+        .timings
+        .iter()
+        .map(|t| format!("{} {:.2}", t.what, t.wall_s))
+        .collect();
+    println!("wall time: {wall:.2} s ({})", parts.join(", "));
+    match switchyard_sim::peak_memory_kib() {
+        Some(kib) => println!("peak memory: {:.1} MiB", kib as f64 / 1024.0),
+        None => println!("peak memory: unknown"),
+    }
+    if let Some(dir) = &args.out {
+        switchyard_sim::write_outputs(dir, &output)?;
+        println!("wrote {}", dir.display());
+    }
+    Ok(())
+}

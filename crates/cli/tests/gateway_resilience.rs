@@ -1,0 +1,385 @@
+//! Failure handling of `switchyard serve`: retries on 5xx / 429 / closed connections, the
+//! llama.cpp keep-alive quirk, ejection of a killed engine and readmission when it returns,
+//! and admission control when every backend is saturated.
+
+mod gateway_support;
+
+use std::time::{Duration, Instant};
+
+use gateway_support::*;
+use serde_json::json;
+
+#[tokio::test]
+async fn failed_attempts_are_retried_on_the_next_candidate() {
+    let real = engine(&[]);
+    let broken = FakeEngine::start(Fake::Status500).await;
+    let busy = FakeEngine::start(Fake::Status429).await;
+    let closer = FakeEngine::start(Fake::Drop).await;
+    // Health checks would eject the 500 fake quickly; make them rare so requests meet it.
+    let gw = gateway(&[
+        "--backend",
+        &backend(&real),
+        "--backend",
+        &broken.backend(),
+        "--backend",
+        &busy.backend(),
+        "--backend",
+        &closer.backend(),
+        "--max-retries",
+        "3",
+        "--health-interval",
+        "30",
+        "--eject-after",
+        "1000",
+        "--policy",
+        "round-robin",
+    ]);
+    let c = client();
+    for i in 0..8 {
+        let r = post(
+            &c,
+            &gw.url("/v1/chat/completions"),
+            &chat(&format!("retry {i}"), 2),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+    assert!(broken.hits() > 0 && busy.hits() > 0 && closer.hits() > 0);
+    let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+    assert!(
+        metric_sum(&m, "switchyard_retries_total", &[]) >= 8.0,
+        "{m}"
+    );
+    assert!(
+        metric_sum(
+            &m,
+            "switchyard_upstream_failures_total",
+            &["result=\"status_5xx\""]
+        ) > 0.0
+    );
+    assert!(
+        metric_sum(
+            &m,
+            "switchyard_upstream_failures_total",
+            &["result=\"status_429\""]
+        ) > 0.0
+    );
+    assert!(
+        metric_sum(
+            &m,
+            "switchyard_upstream_failures_total",
+            &["result=\"closed\""]
+        ) > 0.0
+    );
+    // 429 never counts against health; the others only after --eject-after failures.
+    assert_eq!(metric_sum(&m, "switchyard_backend_healthy", &[]), 4.0);
+
+    // With retries off, the one candidate's answer is passed through.
+    let gw = gateway(&[
+        "--backend",
+        &broken.backend(),
+        "--max-retries",
+        "0",
+        "--health-interval",
+        "30",
+    ]);
+    let r = post(&c, &gw.url("/v1/chat/completions"), &chat("no retry", 2)).await;
+    assert_eq!(r.status, 500);
+    assert_eq!(r.json()["error"]["message"], "boom");
+}
+
+#[tokio::test]
+async fn engines_that_close_keep_alive_connections_are_retried_fresh() {
+    // llama.cpp announces keep-alive and closes anyway: every pooled reuse fails.
+    let liar = FakeEngine::start(Fake::KeepAliveLiar).await;
+    let gw = gateway(&[
+        "--backend",
+        &liar.backend(),
+        "--max-retries",
+        "0",
+        "--eject-after",
+        "2",
+    ]);
+    let c = client();
+    for i in 0..6 {
+        let body = json!({"model": MODEL, "prompt": format!("again {i}"), "max_tokens": 1});
+        let r = post(&c, &gw.url("/v1/completions"), &body).await;
+        assert_eq!(r.status, 200, "request {i}: {}", r.text);
+    }
+    assert_eq!(liar.hits(), 6);
+    // Never held against its health.
+    let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+    assert_eq!(
+        metric_sum(&m, "switchyard_backend_healthy", &[]),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric_sum(&m, "switchyard_requests_total", &["outcome=\"ok\""]),
+        6.0
+    );
+    let stale = metric_sum(
+        &m,
+        "switchyard_upstream_failures_total",
+        &["result=\"stale\""],
+    );
+    assert!(stale >= 1.0, "{m}");
+    let closed = metric_sum(
+        &m,
+        "switchyard_upstream_failures_total",
+        &["result=\"closed\""],
+    );
+    assert_eq!(closed, 0.0);
+}
+
+#[tokio::test]
+async fn a_killed_engine_is_ejected_and_readmitted_when_it_returns() {
+    let a = engine(&[]);
+    let mut b = engine(&[]);
+    let b_port = b.port();
+    let token = "t0ken";
+    let gw = gateway(&[
+        "--backend",
+        &backend(&a),
+        "--backend",
+        &backend(&b),
+        "--admin-token",
+        token,
+        "--eject-after",
+        "2",
+        "--readmit-after",
+        "2",
+    ]);
+    let c = client();
+    for i in 0..4 {
+        let r = post(
+            &c,
+            &gw.url("/v1/chat/completions"),
+            &chat(&format!("before {i}"), 2),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+    }
+    b.kill();
+    // Traffic continues while and after b is ejected.
+    for i in 0..10 {
+        let r = post(
+            &c,
+            &gw.url("/v1/chat/completions"),
+            &chat(&format!("during {i}"), 2),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+    let b_name = b.authority();
+    let ejected = poll(Duration::from_secs(10), || async {
+        let f = fleet_health(&c, &gw, token).await;
+        f.iter()
+            .any(|(n, h)| *n == b_name && h == "unhealthy")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        ejected.is_some(),
+        "{:?}",
+        fleet_health(&c, &gw, token).await
+    );
+
+    // The active checks see it down too.
+    let checked = poll(Duration::from_secs(10), || async {
+        let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+        (metric_sum(&m, "switchyard_health_checks_total", &["result=\"error\""]) > 0.0)
+            .then_some(())
+    })
+    .await;
+    assert!(checked.is_some());
+
+    // Back on the same port: readmitted after passing checks, and takes traffic again.
+    let _b2 = engine_on(b_port, &["--speed", "100"]);
+    let readmitted = poll(Duration::from_secs(10), || async {
+        let f = fleet_health(&c, &gw, token).await;
+        f.iter().all(|(_, h)| h == "healthy").then_some(())
+    })
+    .await;
+    assert!(
+        readmitted.is_some(),
+        "{:?}",
+        fleet_health(&c, &gw, token).await
+    );
+    let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+    assert_eq!(metric_sum(&m, "switchyard_backend_healthy", &[]), 2.0);
+}
+
+#[tokio::test]
+async fn saturated_requests_queue_then_get_429_with_retry_after() {
+    // One engine at real time, one request in flight at most.
+    let e = engine_on(0, &["--speed", "1"]);
+    let gw = gateway(&[
+        "--backend",
+        &backend(&e),
+        "--max-in-flight",
+        "1",
+        "--queue-size",
+        "1",
+        "--queue-timeout",
+        "0.5",
+    ]);
+    let c = client();
+    let long = json!({"model": MODEL, "prompt": "a long one", "max_tokens": 2000});
+    let url = gw.url("/v1/completions");
+    let first = tokio::spawn({
+        let (c, url, long) = (c.clone(), url.clone(), long.clone());
+        async move { post(&c, &url, &long).await }
+    });
+    // Wait until the first is in flight.
+    let inflight = poll(Duration::from_secs(5), || async {
+        let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+        (metric_sum(&m, "switchyard_backend_in_flight", &[]) >= 1.0).then_some(())
+    })
+    .await;
+    assert!(inflight.is_some());
+    // The second waits in the queue...
+    let second = tokio::spawn({
+        let (c, url) = (c.clone(), url.clone());
+        async move {
+            let started = Instant::now();
+            (
+                post(
+                    &c,
+                    &url,
+                    &json!({"model": MODEL, "prompt": "queued", "max_tokens": 1}),
+                )
+                .await,
+                started.elapsed(),
+            )
+        }
+    });
+    let queued = poll(Duration::from_secs(5), || async {
+        let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+        (metric_sum(&m, "switchyard_admission_queue_length", &[]) >= 1.0).then_some(())
+    })
+    .await;
+    assert!(queued.is_some());
+    // ...so a third finds the queue full: 429 at once.
+    let third = post(
+        &c,
+        &url,
+        &json!({"model": MODEL, "prompt": "shed", "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(third.status, 429, "{}", third.text);
+    assert_eq!(third.json()["error"]["code"], "saturated");
+    assert!(third.header("retry-after").is_some());
+    // The queued one times out with 429 and Retry-After.
+    let (second, waited) = second.await.unwrap();
+    assert_eq!(second.status, 429, "{}", second.text);
+    assert!(
+        second
+            .header("retry-after")
+            .unwrap()
+            .parse::<u32>()
+            .unwrap()
+            >= 1
+    );
+    assert!(waited >= Duration::from_millis(400), "{waited:?}");
+    // The long one is still running: leaving cancels it on the engine.
+    first.abort();
+
+    // A queued request is admitted as soon as capacity frees up.
+    let gw = gateway(&[
+        "--backend",
+        &backend(&e),
+        "--max-in-flight",
+        "1",
+        "--queue-timeout",
+        "30",
+    ]);
+    let url = gw.url("/v1/completions");
+    let short = json!({"model": MODEL, "prompt": "short", "max_tokens": 20});
+    let a = tokio::spawn({
+        let (c, url, short) = (c.clone(), url.clone(), short.clone());
+        async move { post(&c, &url, &short).await }
+    });
+    let b = tokio::spawn({
+        let (c, url, short) = (c.clone(), url.clone(), short.clone());
+        async move { post(&c, &url, &short).await }
+    });
+    assert_eq!(a.await.unwrap().status, 200);
+    assert_eq!(b.await.unwrap().status, 200);
+}
+
+#[tokio::test]
+async fn engine_queue_length_saturates_too() {
+    // One sequence at a time on the engine: a second request waits in its queue, which the
+    // scrape reports; --max-waiting 1 then sheds a third.
+    let e = engine_on(0, &["--speed", "1", "--max-num-seqs", "1"]);
+    let gw = gateway(&[
+        "--backend",
+        &backend(&e),
+        "--max-waiting",
+        "1",
+        "--queue-size",
+        "0",
+        "--admin-token",
+        "t",
+    ]);
+    let c = client();
+    let url = gw.url("/v1/completions");
+    let long = json!({"model": MODEL, "prompt": "hold the slot", "max_tokens": 1000});
+    let mut running = Vec::new();
+    for _ in 0..2 {
+        let (c, url, long) = (c.clone(), url.clone(), long.clone());
+        running.push(tokio::spawn(async move { post(&c, &url, &long).await }));
+    }
+    // Wait until the gateway's scrape shows the engine's queue.
+    let seen = poll(Duration::from_secs(10), || async {
+        let r = get_with(
+            &c,
+            &gw.url("/admin/fleet"),
+            &[("authorization", "Bearer t")],
+        )
+        .await;
+        let waiting = r.json()["backends"][0]["engine"]["metrics"]["waiting"].as_u64();
+        (waiting >= Some(1)).then_some(())
+    })
+    .await;
+    assert!(seen.is_some());
+    let shed = post(
+        &c,
+        &url,
+        &json!({"model": MODEL, "prompt": "x", "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(shed.status, 429, "{}", shed.text);
+    assert!(shed.header("retry-after").is_some());
+    for r in running {
+        r.abort();
+    }
+}
+
+#[tokio::test]
+async fn embeddings_are_routed_by_load() {
+    let a = FakeEngine::start(Fake::Ok).await;
+    let b = FakeEngine::start(Fake::Ok).await;
+    let gw = gateway(&["--backend", &a.backend(), "--backend", &b.backend()]);
+    let c = client();
+    for i in 0..6 {
+        let r = post(
+            &c,
+            &gw.url("/v1/embeddings"),
+            &json!({"model": MODEL, "input": format!("embed {i}")}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.json()["path"], "/v1/embeddings");
+    }
+    // Equal loads rotate: both got some.
+    assert!(a.hits() > 0 && b.hits() > 0, "{} {}", a.hits(), b.hits());
+    let r = post(
+        &c,
+        &gw.url("/v1/embeddings"),
+        &json!({"model": "other", "input": "x"}),
+    )
+    .await;
+    assert_eq!(r.status, 404);
+}

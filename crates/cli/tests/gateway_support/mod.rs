@@ -1,0 +1,482 @@
+//! Shared helpers for the gateway integration tests: spawn the real `switchyard serve` and
+//! `switchyard engine` processes on 127.0.0.1 ephemeral ports (killed on drop), fake engines
+//! that misbehave on purpose, and polling with deadlines (never fixed sleeps).
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// The served model of test engines.
+pub const MODEL: &str = "gw-test-model";
+
+/// A child process that printed `listening on http://ADDR`; killed when dropped.
+pub struct Proc {
+    child: Child,
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    /// Runs `switchyard <args>` and waits for its address line.
+    pub fn start(args: &[String]) -> Proc {
+        Self::start_with_env(args, &[])
+    }
+
+    /// Same, with extra environment variables for the child only.
+    pub fn start_with_env(args: &[String], env: &[(&str, &str)]) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn switchyard");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) => {
+                    if let Some(addr) = line.strip_prefix("listening on ") {
+                        return Proc {
+                            child,
+                            base: addr.trim().to_string(),
+                            lines: rx,
+                        };
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Ok(Some(status)) = child.try_wait() {
+                        panic!("switchyard {args:?} exited early: {status}");
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("switchyard {args:?} did not print its address in time");
+    }
+
+    /// Absolute URL of `path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// `host:port`.
+    pub fn authority(&self) -> String {
+        self.base.trim_start_matches("http://").to_string()
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.authority()
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("port")
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
+    /// Kills the process now and waits for it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits up to `timeout` for the process to exit; its exit code if it did.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status.code().unwrap_or(-1));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// `switchyard engine` on an ephemeral port (`port` 0) or a given one.
+pub fn engine_on(port: u16, extra: &[&str]) -> Proc {
+    let mut args = strings(&[
+        "engine",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+        "--model",
+        MODEL,
+    ]);
+    args.extend(strings(extra));
+    Proc::start(&args)
+}
+
+/// `switchyard engine` at 100x speed on an ephemeral port.
+pub fn engine(extra: &[&str]) -> Proc {
+    let mut all = vec!["--speed", "100"];
+    all.extend_from_slice(extra);
+    engine_on(0, &all)
+}
+
+/// `switchyard serve --listen 127.0.0.1:0` with fast health checks and scrapes.
+/// Flags in `extra` replace these defaults.
+pub fn gateway(extra: &[&str]) -> Proc {
+    let mut args = strings(&["serve", "--listen", "127.0.0.1:0"]);
+    for (flag, value) in [
+        ("--health-interval", "0.1"),
+        ("--scrape-interval", "0.1"),
+        ("--probe-timeout", "1"),
+    ] {
+        if !extra.contains(&flag) {
+            args.extend(strings(&[flag, value]));
+        }
+    }
+    args.extend(strings(extra));
+    Proc::start(&args)
+}
+
+/// `--backend` value for a process with explicit models.
+pub fn backend(p: &Proc) -> String {
+    format!("{},models={MODEL}", p.base)
+}
+
+/// An HTTP client with a sane timeout.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("client")
+}
+
+/// A response reduced to what tests look at.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    /// Status.
+    pub status: u16,
+    /// Headers.
+    pub headers: reqwest::header::HeaderMap,
+    /// Body text.
+    pub text: String,
+}
+
+impl Reply {
+    /// Body as JSON (Null when not JSON).
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.text).unwrap_or(Value::Null)
+    }
+
+    /// A header as text.
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(String::from)
+    }
+}
+
+/// POST JSON.
+pub async fn post(c: &reqwest::Client, url: &str, body: &Value) -> Reply {
+    let r = c.post(url).json(body).send().await.expect("send");
+    reply(r).await
+}
+
+/// POST JSON with extra headers.
+pub async fn post_with(
+    c: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> Reply {
+    let mut b = c.post(url).json(body);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    reply(b.send().await.expect("send")).await
+}
+
+/// GET with extra headers.
+pub async fn get_with(c: &reqwest::Client, url: &str, headers: &[(&str, &str)]) -> Reply {
+    let mut b = c.get(url);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    reply(b.send().await.expect("send")).await
+}
+
+async fn reply(r: reqwest::Response) -> Reply {
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    let text = r.text().await.expect("body");
+    Reply {
+        status,
+        headers,
+        text,
+    }
+}
+
+/// A chat request body.
+pub fn chat(content: &str, max_tokens: u32) -> Value {
+    serde_json::json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+    })
+}
+
+/// A prompt of roughly `tokens` tokens, unique per `tag`.
+pub fn prompt(tag: &str, tokens: usize) -> String {
+    let mut s = format!("[{tag}] ");
+    while s.len() < tokens * 4 {
+        s.push_str("the quick brown fox jumps over the lazy dog ");
+    }
+    s.truncate(tokens * 4);
+    s
+}
+
+/// Parses an SSE body into its JSON chunks; asserts it ends with `[DONE]`.
+pub fn sse_chunks(body: &str) -> Vec<Value> {
+    let events: Vec<&str> = body
+        .split("\n\n")
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .collect();
+    assert_eq!(
+        events.last().copied(),
+        Some("data: [DONE]"),
+        "stream: {body}"
+    );
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e.trim_start_matches("data: ")).expect("chunk json"))
+        .collect()
+}
+
+/// The sum of every sample of metric `name` whose labels contain all of `labels`.
+pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| labels.iter().all(|want| l.contains(want)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Polls `f` every 20 ms until it returns Some or `timeout` passes.
+pub async fn poll<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The gateway's `/admin/fleet` backends by name -> health.
+pub async fn fleet_health(c: &reqwest::Client, gw: &Proc, token: &str) -> Vec<(String, String)> {
+    let auth = format!("Bearer {token}");
+    let r = get_with(c, &gw.url("/admin/fleet"), &[("authorization", &auth)]).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    r.json()["backends"]
+        .as_array()
+        .expect("backends")
+        .iter()
+        .map(|b| {
+            (
+                b["name"].as_str().unwrap_or_default().to_string(),
+                b["health"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// How a fake engine misbehaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fake {
+    /// Every request gets 500 (health checks too).
+    Status500,
+    /// Every request gets 429 (health checks pass).
+    Status429,
+    /// Generation requests get their connection closed without an answer (health passes).
+    Drop,
+    /// Answers 200 JSON with usage announcing keep-alive, then closes the connection when the
+    /// next request arrives on it instead of answering (llama.cpp's habit, without the race).
+    KeepAliveLiar,
+    /// Answers 200 JSON (`{"object":"ok","path":...}`) and keeps the connection.
+    Ok,
+}
+
+/// A fake engine on an ephemeral port; counts the generation requests it saw.
+pub struct FakeEngine {
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+    /// Generation (non-probe) requests received.
+    pub hits: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FakeEngine {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn response(status: &str, body: &str, keep_alive: bool) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: {}\r\n\r\n{body}",
+        body.len(),
+        if keep_alive { "keep-alive" } else { "close" }
+    )
+    .into_bytes()
+}
+
+/// Reads one request (head and content-length body); its request line, or None at EOF.
+async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<String> {
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_string();
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse::<usize>().ok())?
+                })
+                .unwrap_or(0);
+            let total = end + 4 + len;
+            while buf.len() < total {
+                let mut chunk = [0u8; 8192];
+                let n = s.read(&mut chunk).await.ok()?;
+                if n == 0 {
+                    return None;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            buf.drain(..total);
+            return head.lines().next().map(String::from);
+        }
+        let mut chunk = [0u8; 8192];
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+impl FakeEngine {
+    /// Starts a fake engine (inside a tokio runtime).
+    pub async fn start(mode: Fake) -> FakeEngine {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let base = format!("http://{}", listener.local_addr().expect("addr"));
+        let hits = Arc::new(AtomicUsize::new(0));
+        let counter = hits.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    return;
+                };
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut served = 0;
+                    while let Some(line) = read_request(&mut s, &mut buf).await {
+                        let probe = line.contains(" /health") || line.contains(" /metrics");
+                        if mode == Fake::KeepAliveLiar && served > 0 {
+                            // The connection is already closing: the request is never read.
+                            return;
+                        }
+                        served += 1;
+                        if !probe {
+                            counter.fetch_add(1, Ordering::SeqCst);
+                        }
+                        let out = match (mode, probe) {
+                            (Fake::Status500, _) => response(
+                                "500 Internal Server Error",
+                                r#"{"error":{"message":"boom","type":"InternalServerError","param":null,"code":500}}"#,
+                                true,
+                            ),
+                            (_, true) => response("200 OK", "", true),
+                            (Fake::Status429, false) => response(
+                                "429 Too Many Requests",
+                                r#"{"error":{"message":"busy","type":"RateLimitError","param":null,"code":429}}"#,
+                                true,
+                            ),
+                            (Fake::Drop, false) => return,
+                            (Fake::KeepAliveLiar, false) => {
+                                let body = r#"{"object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,"prompt_tokens_details":{"cached_tokens":0}}}"#;
+                                // Says keep-alive, but will close instead of answering the next
+                                // request on this connection.
+                                response("200 OK", body, true)
+                            }
+                            (Fake::Ok, false) => {
+                                let path = line.split(' ').nth(1).unwrap_or("").to_string();
+                                let body =
+                                    serde_json::json!({"object": "ok", "path": path}).to_string();
+                                response("200 OK", &body, true)
+                            }
+                        };
+                        if s.write_all(&out).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        FakeEngine { base, hits, task }
+    }
+
+    /// `--backend` value.
+    pub fn backend(&self) -> String {
+        format!("{},models={MODEL}", self.base)
+    }
+
+    /// Requests received.
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}

@@ -1,0 +1,311 @@
+//! The HTTP server: shared state, routes, startup and graceful shutdown.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use axum::extract::DefaultBodyLimit;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+use axum::Router;
+use switchyard_engine::{Engine, EngineConfig};
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::errors::ApiError;
+use crate::kv_events::{self, KvEventsError, PublisherConfig};
+use crate::metrics::Metrics;
+use crate::pd::Advertised;
+use crate::runner::{self, EngineHandle};
+use crate::{admin, generate, sglang};
+
+/// Everything needed to run one emulated engine server.
+#[derive(Debug, Clone)]
+pub struct EmulatorConfig {
+    /// Address to listen on.
+    pub host: String,
+    /// Port (0 = ephemeral).
+    pub port: u16,
+    /// The engine model's configuration; `model_name` is the served name.
+    pub engine: EngineConfig,
+    /// Virtual seconds per wall second.
+    pub speed: f64,
+    /// Answer at once, bypassing the engine's timing.
+    pub instant: bool,
+    /// Adapters known at startup: (name, path).
+    pub lora_modules: Vec<(String, String)>,
+    /// Publish KV events over ZeroMQ.
+    pub kv_events: Option<PublisherConfig>,
+    /// Seed for ids and instant-mode output.
+    pub seed: u64,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+}
+
+/// Errors starting the server.
+#[derive(Debug, Error)]
+pub enum ServerError {
+    /// The engine configuration was rejected.
+    #[error("engine config: {0}")]
+    Engine(String),
+    /// Could not bind the HTTP listener.
+    #[error("bind {addr}: {source}")]
+    Bind {
+        /// Address tried.
+        addr: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// KV event publisher failed.
+    #[error(transparent)]
+    KvEvents(#[from] KvEventsError),
+    /// The server stopped with an I/O error.
+    #[error("serve: {0}")]
+    Serve(std::io::Error),
+}
+
+/// State shared by all handlers.
+#[derive(Debug)]
+pub struct AppState {
+    /// The served base model name.
+    pub model: String,
+    /// The engine configuration (limits, role, block size).
+    pub engine_cfg: EngineConfig,
+    /// Handle to the engine task.
+    pub engine: EngineHandle,
+    /// Prometheus families.
+    pub metrics: Arc<Metrics>,
+    /// Known adapters: name -> path (for `/v1/models`).
+    pub adapters: RwLock<BTreeMap<String, String>>,
+    /// Answer at once without engine timing.
+    pub instant: bool,
+    /// Unix time the server started (`created` in `/v1/models`).
+    pub created: u64,
+    /// Where the prefill side says its KV lives.
+    pub advertised: Advertised,
+    /// Seed for generated ids.
+    pub seed: u64,
+    /// Counter for response ids.
+    pub seq: AtomicU64,
+}
+
+impl AppState {
+    /// A fresh response id with the given prefix (`cmpl`, `chatcmpl`).
+    pub fn response_id(&self, prefix: &str) -> String {
+        let n = self.seq.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:016x}{:08x}", self.seed, n)
+    }
+
+    /// Resolve a requested model name to `None` (base) or `Some(adapter)`.
+    pub fn resolve_model(&self, model: &str) -> Result<Option<String>, ApiError> {
+        if model == self.model {
+            return Ok(None);
+        }
+        let known = self
+            .adapters
+            .read()
+            .map(|a| a.contains_key(model))
+            .unwrap_or(false);
+        if known {
+            Ok(Some(model.to_string()))
+        } else {
+            Err(ApiError::unknown_model(model))
+        }
+    }
+}
+
+/// Shared state as handlers receive it.
+pub type SharedState = Arc<AppState>;
+
+/// Build the router with every endpoint.
+pub fn router(state: SharedState, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/v1/completions", post(generate::completions))
+        .route("/v1/chat/completions", post(generate::chat_completions))
+        .route("/v1/completions/render", post(admin::render_completion))
+        .route("/v1/chat/completions/render", post(admin::render_chat))
+        .route("/v1/models", get(admin::models))
+        .route("/health", get(admin::health))
+        .route("/ping", get(admin::health))
+        .route("/version", get(admin::version))
+        .route("/metrics", get(admin::metrics))
+        .route("/v1/load_lora_adapter", post(admin::load_lora))
+        .route("/v1/unload_lora_adapter", post(admin::unload_lora))
+        .route("/tokenize", post(admin::tokenize))
+        .route("/detokenize", post(admin::detokenize))
+        .route("/health_generate", get(sglang::health_generate))
+        .route("/get_server_info", get(sglang::server_info))
+        .route("/server_info", get(sglang::server_info))
+        .route("/get_model_info", get(sglang::model_info))
+        .route("/model_info", get(sglang::model_info))
+        .route("/get_load", get(sglang::get_load))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+async fn not_found() -> impl IntoResponse {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "Not Found".to_string(),
+        param: None,
+    }
+}
+
+/// A started server.
+#[derive(Debug)]
+pub struct RunningServer {
+    /// The bound HTTP address.
+    pub addr: SocketAddr,
+    /// The resolved KV-events endpoint when the publisher bound one.
+    pub kv_events_endpoint: Option<String>,
+    /// Shared state (for in-process users such as the fidelity check).
+    pub state: SharedState,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), ServerError>>,
+}
+
+impl RunningServer {
+    /// Stop accepting, finish in-flight responses, and wait.
+    pub async fn shutdown(mut self) -> Result<(), ServerError> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        self.wait().await
+    }
+
+    /// Wait until the server stops.
+    pub async fn wait(self) -> Result<(), ServerError> {
+        flatten(self.task.await)
+    }
+
+    /// Serve until `signal` resolves, then shut down gracefully, giving
+    /// in-flight responses at most `grace` to finish.
+    pub async fn run_until(
+        mut self,
+        signal: impl std::future::Future<Output = ()>,
+        grace: std::time::Duration,
+    ) -> Result<(), ServerError> {
+        let stop = self.shutdown.take();
+        let mut task = self.task;
+        tokio::select! {
+            r = &mut task => return flatten(r),
+            _ = signal => {}
+        }
+        if let Some(tx) = stop {
+            let _ = tx.send(());
+        }
+        match tokio::time::timeout(grace, &mut task).await {
+            Ok(r) => flatten(r),
+            Err(_) => {
+                // Long streams hold a graceful shutdown open; cut them.
+                task.abort();
+                Ok(())
+            }
+        }
+    }
+
+    /// Shut down, waiting at most `grace` for in-flight responses.
+    pub async fn shutdown_within(self, grace: std::time::Duration) -> Result<(), ServerError> {
+        self.run_until(std::future::ready(()), grace).await
+    }
+
+    /// Take the trigger that stops the server (for signal handlers).
+    pub fn take_shutdown(&mut self) -> Option<oneshot::Sender<()>> {
+        self.shutdown.take()
+    }
+}
+
+fn flatten(r: Result<Result<(), ServerError>, tokio::task::JoinError>) -> Result<(), ServerError> {
+    match r {
+        Ok(r) => r,
+        Err(e) => Err(ServerError::Serve(std::io::Error::other(e.to_string()))),
+    }
+}
+
+/// Bind, start the engine task and serve until shut down.
+pub async fn start(cfg: EmulatorConfig) -> Result<RunningServer, ServerError> {
+    let listener = TcpListener::bind((cfg.host.as_str(), cfg.port))
+        .await
+        .map_err(|source| ServerError::Bind {
+            addr: format!("{}:{}", cfg.host, cfg.port),
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(ServerError::Serve)?;
+
+    let mut engine_cfg = cfg.engine.clone();
+    // The emulator streams per-step tokens and publishes KV events.
+    engine_cfg.emit_token_events = true;
+    engine_cfg.emit_kv_events = cfg.kv_events.is_some();
+    if engine_cfg.engine_id.is_empty() {
+        engine_cfg.engine_id = format!("emulator-{}-{}", addr.port(), std::process::id());
+    }
+    let mut engine =
+        Engine::new(engine_cfg.clone()).map_err(|e| ServerError::Engine(e.to_string()))?;
+    let mut adapters = BTreeMap::new();
+    for (name, path) in &cfg.lora_modules {
+        engine.register_adapter(name);
+        adapters.insert(name.clone(), path.clone());
+    }
+
+    let (kv, kv_events_endpoint) = match &cfg.kv_events {
+        Some(kc) => {
+            let (p, ep) = kv_events::start(kc.clone()).await?;
+            (Some(p), ep)
+        }
+        None => (None, None),
+    };
+
+    let metrics = Arc::new(Metrics::new(&engine_cfg.model_name, "0"));
+    let handle =
+        runner::spawn(engine, cfg.speed, metrics.clone(), kv).map_err(ServerError::Serve)?;
+    let advertised_host = if addr.ip().is_unspecified() {
+        "127.0.0.1".to_string()
+    } else {
+        addr.ip().to_string()
+    };
+    let state = Arc::new(AppState {
+        model: engine_cfg.model_name.clone(),
+        engine_cfg,
+        engine: handle,
+        metrics,
+        adapters: RwLock::new(adapters),
+        instant: cfg.instant,
+        created: kv_events::unix_now() as u64,
+        advertised: Advertised {
+            host: advertised_host,
+            port: addr.port(),
+        },
+        seed: cfg.seed,
+        seq: AtomicU64::new(0),
+    });
+    let app = router(state.clone(), cfg.max_body_bytes);
+    let (tx, rx) = oneshot::channel::<()>();
+    // Without TCP_NODELAY, Nagle plus delayed ACKs hold small SSE chunks
+    // back by ~40 ms, which would swamp the modelled token timing.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("set_nodelay: {e}");
+        }
+    });
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+            })
+            .await
+            .map_err(ServerError::Serve)
+    });
+    Ok(RunningServer {
+        addr,
+        kv_events_endpoint,
+        state,
+        shutdown: Some(tx),
+        task,
+    })
+}

@@ -1,0 +1,159 @@
+//! Admin endpoints, behind their own token (`Authorization: Bearer TOKEN`): the fleet as the
+//! router sees it, draining a backend, switching the policy.
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::errors::ApiError;
+use crate::proxy;
+use crate::server::{echo_id, with_id, Shared};
+use crate::state::Gateway;
+
+/// Equal-time comparison, so the token cannot be guessed byte by byte from timings.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn check(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = &gw.settings.admin_token else {
+        return Err(ApiError::forbidden(
+            "The admin API is disabled; start the gateway with --admin-token.",
+        ));
+    };
+    match proxy::bearer(headers) {
+        Some(t) if same(t.as_bytes(), token.as_bytes()) => Ok(()),
+        _ => Err(ApiError::forbidden("Missing or wrong admin token.")),
+    }
+}
+
+/// `GET /admin/fleet`: every backend with its health, load, last engine metrics and what the
+/// router learned.
+pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
+    let id = echo_id(&gw, &headers);
+    if let Err(e) = check(&gw, &headers) {
+        return proxy::reject(&gw, e, &id);
+    }
+    let now = gw.now();
+    let brain = gw.brain.lock();
+    let router = &brain.router;
+    let stale = router.config().estimates.metrics_stale_after_s;
+    let mut backends = Vec::new();
+    for b in brain.by_name.values() {
+        let instance = router.fleet().get(b.id);
+        let load = instance.map(|i| {
+            json!({
+                "pending_requests": i.load.pending_requests,
+                "pending_tokens": i.load.pending_tokens,
+                "running_requests": i.load.running_requests,
+                "kv_tokens": i.load.kv_tokens,
+            })
+        });
+        let engine = instance.and_then(|i| i.engine.as_ref()).map(|(m, at)| {
+            json!({
+                "metrics": m,
+                "age_s": now - at,
+                "fresh": now - at <= stale,
+            })
+        });
+        backends.push(json!({
+            "name": b.name(),
+            "address": b.spec.address,
+            "role": b.spec.role,
+            "models": b.spec.models,
+            "adapters": b.spec.adapters,
+            "resident_adapters": instance.map(|i| i.adapters.resident.clone()),
+            "weight": b.spec.weight,
+            "labels": b.spec.labels,
+            "kind": b.kind(),
+            "health": b.core_health(),
+            "leaving": brain.leaving.contains(b.name()),
+            "gateway_in_flight": b.in_flight(),
+            "router_load": load,
+            "engine": engine,
+            "learned": router.learned(b.id),
+        }));
+    }
+    let pending: Vec<&String> = brain.pending.keys().collect();
+    let body = json!({
+        "policy": router.policy_name(),
+        "router_in_flight": router.in_flight_len(),
+        "admission_queue": gw.admission.len(),
+        "backends": backends,
+        "pending_discovery": pending,
+    });
+    drop(brain);
+    with_id(axum::Json(body).into_response(), id)
+}
+
+fn set_draining(gw: &Gateway, headers: &HeaderMap, name: &str, on: bool) -> Response {
+    let id = echo_id(gw, headers);
+    if let Err(e) = check(gw, headers) {
+        return proxy::reject(gw, e, &id);
+    }
+    let backend = gw.brain.lock().by_name.get(name).cloned();
+    let Some(backend) = backend else {
+        return proxy::reject(gw, ApiError::unknown_backend(name), &id);
+    };
+    backend.set_draining(on);
+    gw.sync_health(&backend);
+    tracing::info!(backend = name, draining = on, "admin drain");
+    let body = json!({
+        "backend": name,
+        "draining": on,
+        "in_flight": backend.in_flight(),
+    });
+    with_id(axum::Json(body).into_response(), id)
+}
+
+/// `POST /admin/drain/{name}`: the backend takes no new requests (in-flight ones finish).
+pub async fn drain(State(gw): Shared, Path(name): Path<String>, headers: HeaderMap) -> Response {
+    set_draining(&gw, &headers, &name, true)
+}
+
+/// `POST /admin/undrain/{name}`: the backend takes requests again.
+pub async fn undrain(State(gw): Shared, Path(name): Path<String>, headers: HeaderMap) -> Response {
+    set_draining(&gw, &headers, &name, false)
+}
+
+#[derive(Deserialize)]
+struct PolicyBody {
+    policy: String,
+}
+
+/// `POST /admin/policy {"policy": NAME}`: switches the routing policy at runtime.
+pub async fn policy(State(gw): Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let id = echo_id(&gw, &headers);
+    if let Err(e) = check(&gw, &headers) {
+        return proxy::reject(&gw, e, &id);
+    }
+    let wanted: PolicyBody = match serde_json::from_slice(&body) {
+        Ok(p) => p,
+        Err(e) => return proxy::reject(&gw, ApiError::malformed(e), &id),
+    };
+    let result = gw.brain.lock().router.set_policy(&wanted.policy);
+    match result {
+        Ok(()) => {
+            tracing::info!(policy = %wanted.policy, "policy switched");
+            let body: Value = json!({"policy": wanted.policy});
+            with_id(axum::Json(body).into_response(), id)
+        }
+        Err(e) => proxy::reject(&gw, ApiError::bad_admin(e.reason), &id),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn token_comparison() {
+        assert!(super::same(b"abc", b"abc"));
+        assert!(!super::same(b"abc", b"abd"));
+        assert!(!super::same(b"abc", b"ab"));
+    }
+}

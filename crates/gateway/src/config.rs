@@ -1,0 +1,244 @@
+//! Gateway settings, the fleet file (YAML or TOML) and router settings files.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use switchyard_core::RouterConfig;
+use thiserror::Error;
+
+use crate::backends::{check_unique, BackendSpec, SpecError};
+
+/// Everything `switchyard serve` can set.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Router settings (policy, cost knobs, saturation limits).
+    pub router: RouterConfig,
+    /// Backends given on the command line.
+    pub backends: Vec<BackendSpec>,
+    /// Fleet file, watched and reloaded.
+    pub fleet_file: Option<PathBuf>,
+    /// Largest accepted request body (413 above).
+    pub max_body_bytes: usize,
+    /// Further candidates tried after a failed attempt.
+    pub max_retries: u32,
+    /// TCP connect timeout to a backend.
+    pub connect_timeout: Duration,
+    /// Time allowed for a backend's response headers (504 after).
+    pub upstream_timeout: Duration,
+    /// Engine metrics scrape period.
+    pub scrape_interval: Duration,
+    /// Active health check period.
+    pub health_interval: Duration,
+    /// Timeout of one health check or scrape.
+    pub probe_timeout: Duration,
+    /// Consecutive failures that eject a backend.
+    pub eject_after: u32,
+    /// Consecutive passed checks that readmit an ejected backend.
+    pub readmit_after: u32,
+    /// Requests that may wait for capacity when every backend is saturated (0: shed at once).
+    pub queue_size: usize,
+    /// How long a request may wait for capacity before 429.
+    pub queue_timeout: Duration,
+    /// On SIGINT/SIGTERM, how long in-flight responses may take to finish.
+    pub drain_timeout: Duration,
+    /// Client API keys (empty: no authentication).
+    pub api_keys: HashSet<String>,
+    /// Token for `/admin/*` (none: admin endpoints are refused).
+    pub admin_token: Option<String>,
+    /// Add `x-switchyard-decision` and `x-switchyard-backend` to responses.
+    pub debug_header: bool,
+    /// Ask engines for the usage chunk of streams the client did not ask usage for, and strip it.
+    pub inject_usage: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            router: RouterConfig::default(),
+            backends: Vec::new(),
+            fleet_file: None,
+            max_body_bytes: 16 * 1024 * 1024,
+            max_retries: 2,
+            connect_timeout: Duration::from_secs(2),
+            upstream_timeout: Duration::from_secs(600),
+            scrape_interval: Duration::from_millis(500),
+            health_interval: Duration::from_secs(2),
+            probe_timeout: Duration::from_secs(2),
+            eject_after: 3,
+            readmit_after: 2,
+            queue_size: 256,
+            queue_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(30),
+            api_keys: HashSet::new(),
+            admin_token: None,
+            debug_header: false,
+            inject_usage: true,
+        }
+    }
+}
+
+/// A settings or fleet file that cannot be used.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// Could not read the file.
+    #[error("cannot read {0}: {1}")]
+    Read(PathBuf, std::io::Error),
+    /// The file does not parse.
+    #[error("invalid {0}: {1}")]
+    Parse(PathBuf, String),
+    /// A backend entry is unusable.
+    #[error("{0}: {1}")]
+    Backend(PathBuf, SpecError),
+    /// Router settings out of range.
+    #[error("{0}: {1}")]
+    Router(PathBuf, switchyard_core::ConfigError),
+}
+
+/// The fleet file: `backends: [{address, name, role, models, adapters, weight, labels, kind}]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FleetFile {
+    /// The backends.
+    #[serde(default)]
+    pub backends: Vec<BackendSpec>,
+}
+
+fn parse_by_extension<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    text: &str,
+) -> Result<T, ConfigError> {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    let parsed = match ext {
+        "toml" => toml::from_str(text).map_err(|e| e.to_string()),
+        "json" => serde_json::from_str(text).map_err(|e| e.to_string()),
+        _ => serde_norway::from_str(text).map_err(|e| e.to_string()),
+    };
+    parsed.map_err(|e| ConfigError::Parse(path.to_path_buf(), e))
+}
+
+/// Reads a fleet file (`.toml`, `.json`, else YAML) and checks every backend.
+pub fn load_fleet_file(path: &Path) -> Result<Vec<BackendSpec>, ConfigError> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
+    let file: FleetFile = if text.trim().is_empty() {
+        FleetFile::default()
+    } else {
+        parse_by_extension(path, &text)?
+    };
+    let specs = file
+        .backends
+        .into_iter()
+        .map(BackendSpec::normalise)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ConfigError::Backend(path.to_path_buf(), e))?;
+    check_unique(&specs).map_err(|e| ConfigError::Backend(path.to_path_buf(), e))?;
+    Ok(specs)
+}
+
+/// Reads router settings (`.toml`, `.json`, else YAML; any subset of the keys in docs/core.md).
+pub fn load_router_config(path: &Path) -> Result<RouterConfig, ConfigError> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
+    let config: RouterConfig = parse_by_extension(path, &text)?;
+    config
+        .validate()
+        .map_err(|e| ConfigError::Router(path.to_path_buf(), e))?;
+    Ok(config)
+}
+
+/// Parses API keys: one per line (or comma-separated); blank lines and `#` comments skipped.
+pub fn parse_api_keys(text: &str) -> HashSet<String> {
+    text.lines()
+        .map(|l| l.split('#').next().unwrap_or(""))
+        .flat_map(|l| l.split(','))
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_core::Role;
+
+    fn write(name: &str, text: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("switchyard-gw-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn yaml_and_toml_fleet_files() {
+        let y = write(
+            "fleet.yaml",
+            "backends:\n  - address: 127.0.0.1:9001\n    role: prefill\n    models: [m]\n    labels: {zone: a}\n    kind: vllm\n  - address: http://127.0.0.1:9002\n    name: two\n    weight: 2\n",
+        );
+        let specs = load_fleet_file(&y).unwrap();
+        assert_eq!(specs.len(), 2);
+        assert_eq!(specs[0].name, "127.0.0.1:9001");
+        assert_eq!(specs[0].role, Role::Prefill);
+        assert_eq!(specs[0].labels["zone"], "a");
+        assert_eq!(specs[1].name, "two");
+        let t = write(
+            "fleet.toml",
+            "[[backends]]\naddress = \"127.0.0.1:9003\"\nmodels = [\"m\"]\nkind = \"sglang\"\n",
+        );
+        assert_eq!(
+            load_fleet_file(&t).unwrap()[0].address,
+            "http://127.0.0.1:9003"
+        );
+        let empty = write("empty.yaml", "\n");
+        assert!(load_fleet_file(&empty).unwrap().is_empty());
+    }
+
+    #[test]
+    fn bad_fleet_files_are_refused() {
+        let unknown = write("u.yaml", "backends:\n  - address: h:1\n    colour: red\n");
+        assert!(matches!(
+            load_fleet_file(&unknown),
+            Err(ConfigError::Parse(..))
+        ));
+        let dup = write("d.yaml", "backends:\n  - address: h:1\n  - address: h:1\n");
+        assert!(matches!(
+            load_fleet_file(&dup),
+            Err(ConfigError::Backend(..))
+        ));
+        let noport = write("p.yaml", "backends:\n  - address: h\n");
+        assert!(matches!(
+            load_fleet_file(&noport),
+            Err(ConfigError::Backend(..))
+        ));
+    }
+
+    #[test]
+    fn router_settings_files() {
+        let t = write(
+            "r.toml",
+            "policy = \"least-load\"\n[cost]\nmax_in_flight = 4\n",
+        );
+        let c = load_router_config(&t).unwrap();
+        assert_eq!(c.policy, "least-load");
+        assert_eq!(c.cost.max_in_flight, Some(4));
+        let bad = write("r.json", "{\"policy\": \"nope\"}");
+        assert!(matches!(
+            load_router_config(&bad),
+            Err(ConfigError::Router(..))
+        ));
+    }
+
+    #[test]
+    fn api_key_lists() {
+        let keys = parse_api_keys("a\n# comment\n b , c\n\nd # trailing\n");
+        assert_eq!(keys.len(), 4);
+        assert!(keys.contains("b") && keys.contains("d"));
+    }
+}

@@ -1,0 +1,197 @@
+//! The Switchyard gateway: an OpenAI-compatible HTTP router in front of a fleet of inference
+//! engines, driving the routing core (`switchyard_core`).
+//!
+//! Where things happen:
+//! * a request is read and parsed in [`parse`], routed and sent in [`proxy`] (retries,
+//!   timeouts), and its response watched on the way back in [`stream`] (first token, usage,
+//!   client disconnect);
+//! * saturated requests wait in [`admission`]; disaggregated ones (prefill and decode on
+//!   different instances) are orchestrated in [`pd`];
+//! * backends are described in [`backends`] and [`config`], join and leave in [`fleet`]
+//!   (models found by [`discovery`], fleet file reloads in [`watch`]);
+//! * engines are scraped in [`scrape`] (Prometheus text parsed by [`promtext`]) and checked in
+//!   [`health`];
+//! * HTTP routes are in [`server`] and [`admin`], errors in [`errors`], the gateway's own
+//!   metrics in [`metrics`]; the shared state and the router lock in [`state`].
+//!
+//! The router is held in a mutex only for `route` / `observe`, never across an await.
+
+pub mod admin;
+pub mod admission;
+pub mod backends;
+pub mod config;
+pub mod discovery;
+pub mod errors;
+pub mod fleet;
+pub mod health;
+pub mod metrics;
+pub mod parse;
+pub mod pd;
+pub mod promtext;
+pub mod proxy;
+pub mod scrape;
+pub mod server;
+pub mod state;
+pub mod stream;
+pub mod upstream;
+pub mod watch;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::serve::ListenerExt;
+use switchyard_core::Router;
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub use backends::{BackendSpec, EngineKind};
+pub use config::Settings;
+pub use state::Gateway;
+
+/// Why the gateway could not start or stopped.
+#[derive(Debug, Error)]
+pub enum GatewayError {
+    /// Settings, router settings or the fleet file are unusable.
+    #[error("{0}")]
+    Config(String),
+    /// Could not bind the listener.
+    #[error("bind {addr}: {source}")]
+    Bind {
+        /// Address tried.
+        addr: SocketAddr,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Could not watch the fleet file.
+    #[error("watch fleet file: {0}")]
+    Watch(#[from] notify::Error),
+    /// The server stopped with an I/O error.
+    #[error("serve: {0}")]
+    Serve(std::io::Error),
+}
+
+/// A started gateway.
+pub struct RunningGateway {
+    /// The bound address.
+    pub addr: SocketAddr,
+    /// Shared state (fleet, router, metrics).
+    pub gateway: Arc<Gateway>,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), GatewayError>>,
+    _watcher: Option<watch::FleetWatcher>,
+}
+
+/// Builds the router, adds the configured backends, binds and starts serving.
+pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
+    let router =
+        Router::new(settings.router.clone()).map_err(|e| GatewayError::Config(e.to_string()))?;
+    let file_specs = match &settings.fleet_file {
+        Some(path) => {
+            Some(config::load_fleet_file(path).map_err(|e| GatewayError::Config(e.to_string()))?)
+        }
+        None => None,
+    };
+    let mut all: Vec<BackendSpec> = settings.backends.clone();
+    all.extend(file_specs.iter().flatten().cloned());
+    backends::check_unique(&all).map_err(|e| GatewayError::Config(e.to_string()))?;
+    let listen = settings.listen;
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| GatewayError::Bind {
+            addr: listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(GatewayError::Serve)?;
+
+    let gw = Gateway::new(settings, router);
+    for spec in gw.settings.backends.clone() {
+        fleet::add(&gw, spec);
+    }
+    let watcher = match (&gw.settings.fleet_file, file_specs) {
+        (Some(path), Some(specs)) => {
+            fleet::apply_file(&gw, specs);
+            Some(watch::watch(gw.clone(), path.clone())?)
+        }
+        _ => None,
+    };
+
+    // Small SSE chunks must not wait for Nagle.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("set_nodelay: {e}");
+        }
+    });
+    let app = server::app(gw.clone());
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+            })
+            .await
+            .map_err(GatewayError::Serve)
+    });
+    Ok(RunningGateway {
+        addr,
+        gateway: gw,
+        shutdown: Some(tx),
+        task,
+        _watcher: watcher,
+    })
+}
+
+impl RunningGateway {
+    /// Serves until `signal`, then stops accepting and lets in-flight responses finish for at
+    /// most the drain timeout.
+    pub async fn run_until(
+        mut self,
+        signal: impl std::future::Future<Output = ()>,
+    ) -> Result<(), GatewayError> {
+        let stop = self.shutdown.take();
+        let grace = self.gateway.settings.drain_timeout;
+        tokio::select! {
+            r = &mut self.task => return flatten(r),
+            _ = signal => {}
+        }
+        tracing::info!("shutting down: draining in-flight requests for up to {grace:?}");
+        self.gateway.begin_shutdown();
+        if let Some(tx) = stop {
+            let _ = tx.send(());
+        }
+        match tokio::time::timeout(grace, &mut self.task).await {
+            Ok(r) => flatten(r),
+            Err(_) => {
+                tracing::warn!("drain timeout: cutting the remaining responses");
+                self.task.abort();
+                Ok(())
+            }
+        }
+    }
+
+    /// Shuts down now, waiting at most `grace` for in-flight responses.
+    pub async fn shutdown_within(mut self, grace: Duration) -> Result<(), GatewayError> {
+        self.gateway.begin_shutdown();
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        match tokio::time::timeout(grace, &mut self.task).await {
+            Ok(r) => flatten(r),
+            Err(_) => {
+                self.task.abort();
+                Ok(())
+            }
+        }
+    }
+}
+
+fn flatten(
+    r: Result<Result<(), GatewayError>, tokio::task::JoinError>,
+) -> Result<(), GatewayError> {
+    match r {
+        Ok(r) => r,
+        Err(e) => Err(GatewayError::Serve(std::io::Error::other(e.to_string()))),
+    }
+}

@@ -1,0 +1,417 @@
+//! The gateway's own Prometheus metrics (`GET /metrics`), all prefixed `switchyard_`.
+//!
+//! Per-backend series are created once when a backend joins (handles are kept in
+//! [`BackendMetrics`]) so the request path never hashes label sets; they are removed when the
+//! backend leaves.
+
+use prometheus_client::encoding::{text::encode, EncodeLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// Labels `backend`, `outcome`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// Backend name (empty for requests the gateway answered itself).
+    pub backend: String,
+    /// What happened.
+    pub outcome: &'static str,
+}
+
+/// Label `backend`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabel {
+    /// Backend name.
+    pub backend: String,
+}
+
+/// Labels `backend`, `result`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// Backend name.
+    pub backend: String,
+    /// Result of the attempt, scrape or check.
+    pub result: &'static str,
+}
+
+/// Label `result`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    /// Result.
+    pub result: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 1 ms .. ~65 s.
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+/// Request outcomes recorded per backend.
+pub mod outcome {
+    /// 2xx answered completely.
+    pub const OK: &str = "ok";
+    /// 4xx from the engine, passed through.
+    pub const CLIENT_ERROR: &str = "client_error";
+    /// 5xx/429 from the engine on the last attempt, passed through.
+    pub const SERVER_ERROR: &str = "server_error";
+    /// The engine's body failed after the response started.
+    pub const STREAM_ERROR: &str = "stream_error";
+    /// The client went away before the end.
+    pub const CANCELLED: &str = "cancelled";
+    /// The engine did not answer in time (504).
+    pub const TIMEOUT: &str = "timeout";
+}
+
+/// All metric handles.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<OutcomeLabels, Counter>,
+    attempts: Family<ResultLabels, Counter>,
+    /// Requests sent to another candidate after a failed attempt.
+    pub retries: Counter,
+    /// Time spent in `Router::route`.
+    pub decision_seconds: Histogram,
+    ttft: HistogramFamily<BackendLabel>,
+    e2e: HistogramFamily<BackendLabel>,
+    predicted_cached: Family<BackendLabel, Counter>,
+    reported_cached: Family<BackendLabel, Counter>,
+    prompt_tokens: Family<BackendLabel, Counter>,
+    /// Requests waiting in the admission queue.
+    pub admission_queue: Gauge,
+    healthy: Family<BackendLabel, Gauge>,
+    in_flight: Family<BackendLabel, Gauge>,
+    scrapes: Family<ResultLabels, Counter>,
+    health_checks: Family<ResultLabels, Counter>,
+    reloads: Family<ResultLabel, Counter>,
+}
+
+/// Handles for one backend's series.
+#[derive(Clone)]
+pub struct BackendMetrics {
+    /// Completed 2xx requests.
+    pub ok: Counter,
+    /// 4xx passed through.
+    pub client_error: Counter,
+    /// 5xx/429 passed through.
+    pub server_error: Counter,
+    /// Body failed mid-way.
+    pub stream_error: Counter,
+    /// Client disconnects.
+    pub cancelled: Counter,
+    /// Upstream timeouts.
+    pub timeout: Counter,
+    /// Time to first body byte.
+    pub ttft: Histogram,
+    /// Time to the end of the body.
+    pub e2e: Histogram,
+    /// Cached prompt tokens the router predicted.
+    pub predicted_cached: Counter,
+    /// Cached prompt tokens the engine reported.
+    pub reported_cached: Counter,
+    /// Prompt tokens the engine reported.
+    pub prompt_tokens: Counter,
+    /// 1 when the backend takes traffic.
+    pub healthy: Gauge,
+    /// Requests in flight through the gateway.
+    pub in_flight: Gauge,
+    /// Successful scrapes.
+    pub scrape_ok: Counter,
+    /// Failed scrapes.
+    pub scrape_error: Counter,
+    /// Passed health checks.
+    pub check_ok: Counter,
+    /// Failed health checks.
+    pub check_error: Counter,
+}
+
+impl BackendMetrics {
+    /// Handles registered nowhere (tests, tools).
+    pub fn detached() -> Self {
+        BackendMetrics {
+            ok: Counter::default(),
+            client_error: Counter::default(),
+            server_error: Counter::default(),
+            stream_error: Counter::default(),
+            cancelled: Counter::default(),
+            timeout: Counter::default(),
+            ttft: latency_histogram(),
+            e2e: latency_histogram(),
+            predicted_cached: Counter::default(),
+            reported_cached: Counter::default(),
+            prompt_tokens: Counter::default(),
+            healthy: Gauge::default(),
+            in_flight: Gauge::default(),
+            scrape_ok: Counter::default(),
+            scrape_error: Counter::default(),
+            check_ok: Counter::default(),
+            check_error: Counter::default(),
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every family.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let requests = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "switchyard_requests",
+            "Requests by backend and outcome (backend empty: answered by the gateway)",
+            requests.clone(),
+        );
+        let attempts = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "switchyard_upstream_failures",
+            "Failed upstream attempts by backend and cause (refused, connect, closed, stale, status_5xx, status_429)",
+            attempts.clone(),
+        );
+        let retries = Counter::default();
+        registry.register(
+            "switchyard_retries",
+            "Attempts moved to the next candidate after a failure",
+            retries.clone(),
+        );
+        let decision_seconds = Histogram::new(exponential_buckets(1e-6, 2.0, 16));
+        registry.register(
+            "switchyard_decision_seconds",
+            "Time to route one request (Router::route)",
+            decision_seconds.clone(),
+        );
+        let ttft: HistogramFamily<BackendLabel> = Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "switchyard_ttft_seconds",
+            "Time from request arrival to the first response body byte, per backend",
+            ttft.clone(),
+        );
+        let e2e: HistogramFamily<BackendLabel> = Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "switchyard_e2e_seconds",
+            "Time from request arrival to the end of the response, per backend",
+            e2e.clone(),
+        );
+        let predicted_cached = Family::<BackendLabel, Counter>::default();
+        registry.register(
+            "switchyard_predicted_cached_tokens",
+            "Prompt tokens the router predicted cached, for finished requests with usage",
+            predicted_cached.clone(),
+        );
+        let reported_cached = Family::<BackendLabel, Counter>::default();
+        registry.register(
+            "switchyard_reported_cached_tokens",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
+            reported_cached.clone(),
+        );
+        let prompt_tokens = Family::<BackendLabel, Counter>::default();
+        registry.register(
+            "switchyard_prompt_tokens",
+            "Prompt tokens the engine reported, for finished requests with usage",
+            prompt_tokens.clone(),
+        );
+        let admission_queue = Gauge::default();
+        registry.register(
+            "switchyard_admission_queue_length",
+            "Requests waiting in the admission queue",
+            admission_queue.clone(),
+        );
+        let healthy = Family::<BackendLabel, Gauge>::default();
+        registry.register(
+            "switchyard_backend_healthy",
+            "1 when the backend takes traffic, 0 when ejected or draining",
+            healthy.clone(),
+        );
+        let in_flight = Family::<BackendLabel, Gauge>::default();
+        registry.register(
+            "switchyard_backend_in_flight",
+            "Requests in flight through the gateway, per backend",
+            in_flight.clone(),
+        );
+        let scrapes = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "switchyard_scrapes",
+            "Engine metrics scrapes by backend and result (ok, error)",
+            scrapes.clone(),
+        );
+        let health_checks = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "switchyard_health_checks",
+            "Active health checks by backend and result (ok, error)",
+            health_checks.clone(),
+        );
+        let reloads = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "switchyard_fleet_reloads",
+            "Fleet file reloads by result (ok, error)",
+            reloads.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            attempts,
+            retries,
+            decision_seconds,
+            ttft,
+            e2e,
+            predicted_cached,
+            reported_cached,
+            prompt_tokens,
+            admission_queue,
+            healthy,
+            in_flight,
+            scrapes,
+            health_checks,
+            reloads,
+        }
+    }
+
+    /// Creates (or finds) the series of backend `name`.
+    pub fn for_backend(&self, name: &str) -> BackendMetrics {
+        let b = || BackendLabel {
+            backend: name.to_string(),
+        };
+        let o = |outcome| OutcomeLabels {
+            backend: name.to_string(),
+            outcome,
+        };
+        let r = |result| ResultLabels {
+            backend: name.to_string(),
+            result,
+        };
+        BackendMetrics {
+            ok: self.requests.get_or_create_owned(&o(outcome::OK)),
+            client_error: self.requests.get_or_create_owned(&o(outcome::CLIENT_ERROR)),
+            server_error: self.requests.get_or_create_owned(&o(outcome::SERVER_ERROR)),
+            stream_error: self.requests.get_or_create_owned(&o(outcome::STREAM_ERROR)),
+            cancelled: self.requests.get_or_create_owned(&o(outcome::CANCELLED)),
+            timeout: self.requests.get_or_create_owned(&o(outcome::TIMEOUT)),
+            ttft: self.ttft.get_or_create_owned(&b()),
+            e2e: self.e2e.get_or_create_owned(&b()),
+            predicted_cached: self.predicted_cached.get_or_create_owned(&b()),
+            reported_cached: self.reported_cached.get_or_create_owned(&b()),
+            prompt_tokens: self.prompt_tokens.get_or_create_owned(&b()),
+            healthy: self.healthy.get_or_create_owned(&b()),
+            in_flight: self.in_flight.get_or_create_owned(&b()),
+            scrape_ok: self.scrapes.get_or_create_owned(&r("ok")),
+            scrape_error: self.scrapes.get_or_create_owned(&r("error")),
+            check_ok: self.health_checks.get_or_create_owned(&r("ok")),
+            check_error: self.health_checks.get_or_create_owned(&r("error")),
+        }
+    }
+
+    /// Removes every series of backend `name` (it left the fleet).
+    pub fn forget_backend(&self, name: &str) {
+        let b = BackendLabel {
+            backend: name.to_string(),
+        };
+        for outcome in [
+            outcome::OK,
+            outcome::CLIENT_ERROR,
+            outcome::SERVER_ERROR,
+            outcome::STREAM_ERROR,
+            outcome::CANCELLED,
+            outcome::TIMEOUT,
+        ] {
+            self.requests.remove(&OutcomeLabels {
+                backend: name.to_string(),
+                outcome,
+            });
+        }
+        for result in [
+            "refused",
+            "connect",
+            "closed",
+            "stale",
+            "status_5xx",
+            "status_429",
+        ] {
+            self.attempts.remove(&ResultLabels {
+                backend: name.to_string(),
+                result,
+            });
+        }
+        for result in ["ok", "error"] {
+            let l = ResultLabels {
+                backend: name.to_string(),
+                result,
+            };
+            self.scrapes.remove(&l);
+            self.health_checks.remove(&l);
+        }
+        self.ttft.remove(&b);
+        self.e2e.remove(&b);
+        self.predicted_cached.remove(&b);
+        self.reported_cached.remove(&b);
+        self.prompt_tokens.remove(&b);
+        self.healthy.remove(&b);
+        self.in_flight.remove(&b);
+    }
+
+    /// Counts a request the gateway answered itself (`outcome` names the error code).
+    pub fn gateway_answer(&self, outcome: &'static str) {
+        self.requests
+            .get_or_create(&OutcomeLabels {
+                backend: String::new(),
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Counts a failed upstream attempt (`cause`: refused, connect, closed, stale, status_5xx,
+    /// status_429).
+    pub fn upstream_failure(&self, backend: &str, cause: &'static str) {
+        self.attempts
+            .get_or_create(&ResultLabels {
+                backend: backend.to_string(),
+                result: cause,
+            })
+            .inc();
+    }
+
+    /// Counts a fleet file reload.
+    pub fn reload(&self, ok: bool) {
+        self.reloads
+            .get_or_create(&ResultLabel {
+                result: if ok { "ok" } else { "error" },
+            })
+            .inc();
+    }
+
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_series_appear_and_disappear() {
+        let m = Metrics::new();
+        let b = m.for_backend("b1");
+        b.ok.inc();
+        b.ttft.observe(0.01);
+        m.gateway_answer("model_not_found");
+        let text = m.render();
+        assert!(text.contains("switchyard_requests_total{backend=\"b1\",outcome=\"ok\"} 1"));
+        assert!(
+            text.contains("switchyard_requests_total{backend=\"\",outcome=\"model_not_found\"} 1")
+        );
+        assert!(text.contains("switchyard_ttft_seconds_count{backend=\"b1\"} 1"));
+        m.forget_backend("b1");
+        assert!(!m.render().contains("backend=\"b1\""));
+    }
+}

@@ -1,0 +1,759 @@
+//! Extracts what routing needs from an OpenAI request body, borrowing from the bytes.
+//!
+//! The body is parsed once, leniently: unknown fields are skipped, routing hints of an odd type
+//! are ignored rather than refused (the engine validates its own input), and the original bytes
+//! are what gets forwarded. Only a body that is not a JSON object, or a missing `model`, is
+//! refused here.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use switchyard_core::{ChatMessage, Phase, Prompt, RouteRequest};
+
+use crate::errors::ApiError;
+
+/// A completion prompt as the router sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PromptText<'a> {
+    /// No prompt (or one the router cannot read).
+    #[default]
+    None,
+    /// One string.
+    Text(Cow<'a, str>),
+    /// Several strings (a batch; routed as their concatenation).
+    Texts(Vec<Cow<'a, str>>),
+    /// Token ids, rendered as decimal text so the prefix index can still hash them.
+    Tokens(String),
+}
+
+/// One chat message: role and its text (text parts joined).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message<'a> {
+    /// Role.
+    pub role: Cow<'a, str>,
+    /// Text content.
+    pub content: Cow<'a, str>,
+}
+
+/// The routing-relevant fields of a request body.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ParsedRequest<'a> {
+    /// Requested model (a base model or an adapter name).
+    pub model: Cow<'a, str>,
+    /// Completion prompt (`/v1/completions`) or embedding input.
+    pub prompt: PromptText<'a>,
+    /// Chat messages (`/v1/chat/completions`).
+    pub messages: Option<Vec<Message<'a>>>,
+    /// The client asked for server-sent events.
+    pub stream: bool,
+    /// `stream_options` is present in the body at all.
+    pub has_stream_options: bool,
+    /// `stream_options.include_usage` is true.
+    pub include_usage: bool,
+    /// `max_completion_tokens`, else `max_tokens`.
+    pub max_tokens: Option<u32>,
+    /// vLLM `cache_salt`.
+    pub cache_salt: Option<Cow<'a, str>>,
+    /// Sticky-session key: the `x-session-id` header, else the body's `user`.
+    pub session_id: Option<Cow<'a, str>>,
+}
+
+/// Output budget assumed when a request gives none (vLLM's completion default is 16, chat's is
+/// "the rest of the context"; this is a middle estimate for KV accounting).
+pub const DEFAULT_MAX_TOKENS: u32 = 256;
+
+/// The body as serde sees it.
+#[derive(Deserialize)]
+struct Raw<'a> {
+    #[serde(default, borrow, deserialize_with = "lenient_str")]
+    model: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    prompt: Option<PromptText<'a>>,
+    #[serde(default, borrow)]
+    input: Option<PromptText<'a>>,
+    #[serde(default, borrow)]
+    messages: Option<Messages<'a>>,
+    #[serde(default, deserialize_with = "lenient_bool")]
+    stream: Option<bool>,
+    #[serde(default, deserialize_with = "present")]
+    stream_options: Option<StreamOptions>,
+    #[serde(default, deserialize_with = "lenient_u32")]
+    max_tokens: Option<u32>,
+    #[serde(default, deserialize_with = "lenient_u32")]
+    max_completion_tokens: Option<u32>,
+    #[serde(default, borrow, deserialize_with = "lenient_str")]
+    cache_salt: Option<Cow<'a, str>>,
+    #[serde(default, borrow, deserialize_with = "lenient_str")]
+    user: Option<Cow<'a, str>>,
+}
+
+/// `stream_options`; anything but an object with a boolean `include_usage` counts as present
+/// without usage.
+#[derive(Default)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+impl<'de> Deserialize<'de> for StreamOptions {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = StreamOptions;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("stream options")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<StreamOptions, A::Error> {
+                let mut out = StreamOptions::default();
+                while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                    if key == "include_usage" {
+                        out.include_usage = map.next_value::<Lenient<bool>>()?.0.unwrap_or(false);
+                    } else {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(out)
+            }
+            fn visit_unit<E>(self) -> Result<StreamOptions, E> {
+                Ok(StreamOptions::default())
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<StreamOptions, E> {
+                Ok(StreamOptions::default())
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<StreamOptions, E> {
+                Ok(StreamOptions::default())
+            }
+            fn visit_str<E>(self, _: &str) -> Result<StreamOptions, E> {
+                Ok(StreamOptions::default())
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<StreamOptions, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(StreamOptions::default())
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A value of the expected type, or `None` for anything else (the engine will judge it).
+struct Lenient<T>(Option<T>);
+
+macro_rules! ignore_rest {
+    ($t:ty) => {
+        fn visit_unit<E>(self) -> Result<Lenient<$t>, E> {
+            Ok(Lenient(None))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Lenient<$t>, A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok(Lenient(None))
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Lenient<$t>, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(Lenient(None))
+        }
+    };
+}
+
+impl<'de> Deserialize<'de> for Lenient<bool> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Lenient<bool>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a boolean")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Lenient<bool>, E> {
+                Ok(Lenient(Some(v)))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Lenient<bool>, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Lenient<bool>, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Lenient<bool>, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Lenient<bool>, E> {
+                Ok(Lenient(None))
+            }
+            ignore_rest!(bool);
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de> Deserialize<'de> for Lenient<u32> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Lenient<u32>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a number")
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Lenient<u32>, E> {
+                Ok(Lenient(Some(u32::try_from(v).unwrap_or(u32::MAX))))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Lenient<u32>, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<Lenient<u32>, E> {
+                // Saturating cast: NaN becomes 0, out-of-range values clamp.
+                Ok(Lenient((v >= 0.0).then_some(v as u32)))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Lenient<u32>, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Lenient<u32>, E> {
+                Ok(Lenient(None))
+            }
+            ignore_rest!(u32);
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Lenient<Cow<'a, str>> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Lenient<Cow<'de, str>>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Lenient(Some(Cow::Borrowed(v))))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Lenient(Some(Cow::Owned(v.to_string()))))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Lenient(Some(Cow::Owned(v))))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Lenient(None))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Lenient(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+fn lenient_str<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<Option<Cow<'a, str>>, D::Error> {
+    Ok(Lenient::<Cow<'a, str>>::deserialize(d)?.0)
+}
+
+/// `Some` whenever the key is present, even as `null` (so we never add a second key).
+fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<StreamOptions>, D::Error> {
+    StreamOptions::deserialize(d).map(Some)
+}
+
+fn lenient_bool<'de, D: Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
+    Ok(Lenient::<bool>::deserialize(d)?.0)
+}
+
+fn lenient_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    Ok(Lenient::<u32>::deserialize(d)?.0)
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for PromptText<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = PromptText<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a prompt (string, strings or token ids)")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(PromptText::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(PromptText::Text(Cow::Owned(v.to_string())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(PromptText::Text(Cow::Owned(v)))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(PromptText::None)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(PromptText::None)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(PromptText::None)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(PromptText::None)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(PromptText::None)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(PromptText::None)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut texts = Vec::new();
+                let mut tokens = String::new();
+                while let Some(item) = seq.next_element::<PromptItem<'de>>()? {
+                    match item {
+                        PromptItem::Text(t) => texts.push(t),
+                        PromptItem::Tokens(t) => tokens.push_str(&t),
+                        PromptItem::Other => {}
+                    }
+                }
+                Ok(if !texts.is_empty() {
+                    PromptText::Texts(texts)
+                } else if !tokens.is_empty() {
+                    PromptText::Tokens(tokens)
+                } else {
+                    PromptText::None
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// One element of a prompt array: a string, a token id, or a list of token ids.
+enum PromptItem<'a> {
+    Text(Cow<'a, str>),
+    Tokens(String),
+    Other,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for PromptItem<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = PromptItem<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a prompt element")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(PromptItem::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(PromptItem::Text(Cow::Owned(v.to_string())))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(PromptItem::Tokens(format!("{v} ")))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(PromptItem::Other)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(PromptItem::Other)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(PromptItem::Other)
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(PromptItem::Other)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(PromptItem::Other)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                use std::fmt::Write;
+                let mut out = String::new();
+                while let Some(v) = seq.next_element::<IgnoredNumber>()? {
+                    if let Some(n) = v.0 {
+                        let _ = write!(out, "{n} ");
+                    }
+                }
+                Ok(PromptItem::Tokens(out))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A token id inside a nested token list (anything else is skipped).
+struct IgnoredNumber(Option<u64>);
+
+impl<'de> Deserialize<'de> for IgnoredNumber {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = Lenient::<u32>::deserialize(d)?;
+        Ok(IgnoredNumber(v.0.map(u64::from)))
+    }
+}
+
+/// Chat messages; a non-array `messages` reads as none.
+struct Messages<'a>(Vec<Message<'a>>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Messages<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Messages<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an array of messages")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(4));
+                while let Some(m) = seq.next_element::<Option<RawMessage<'de>>>()? {
+                    if let Some(m) = m {
+                        out.push(Message {
+                            role: m.role.unwrap_or(Cow::Borrowed("")),
+                            content: m.content.map(|c| c.0).unwrap_or(Cow::Borrowed("")),
+                        });
+                    }
+                }
+                Ok(Messages(out))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(Messages(Vec::new()))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Messages(Vec::new()))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(Messages(Vec::new()))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Messages(Vec::new()))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(Messages(Vec::new()))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(Messages(Vec::new()))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(Messages(Vec::new()))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[derive(Deserialize)]
+struct RawMessage<'a> {
+    #[serde(default, borrow, deserialize_with = "lenient_str")]
+    role: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    content: Option<Content<'a>>,
+}
+
+/// A message's text: a string, or the `text` parts of a part list joined.
+struct Content<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Content<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("message content")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Content(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Content(Cow::Owned(v.to_string())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Content(Cow::Owned(v)))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(Content(Cow::Borrowed("")))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut text: Cow<'de, str> = Cow::Borrowed("");
+                while let Some(part) = seq.next_element::<Option<Part<'de>>>()? {
+                    let Some(Part {
+                        kind,
+                        text: Some(t),
+                    }) = part
+                    else {
+                        continue;
+                    };
+                    if kind.as_deref().is_some_and(|k| k != "text") {
+                        continue;
+                    }
+                    if text.is_empty() {
+                        text = t;
+                    } else {
+                        text.to_mut().push_str(&t);
+                    }
+                }
+                Ok(Content(text))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Content(Cow::Borrowed("")))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Content(Cow::Borrowed("")))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(Content(Cow::Borrowed("")))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(Content(Cow::Borrowed("")))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(Content(Cow::Borrowed("")))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(default, rename = "type", borrow, deserialize_with = "lenient_str")]
+    kind: Option<Cow<'a, str>>,
+    #[serde(default, borrow, deserialize_with = "lenient_str")]
+    text: Option<Cow<'a, str>>,
+}
+
+/// Parses a request body; `session_header` is the `x-session-id` header, if sent.
+pub fn parse<'a>(
+    body: &'a [u8],
+    session_header: Option<&'a str>,
+) -> Result<ParsedRequest<'a>, ApiError> {
+    // A quick check gives a clearer message than serde's for the common mistake.
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        return Err(ApiError::malformed("expected a JSON object"));
+    }
+    let raw: Raw<'a> = serde_json::from_slice(body).map_err(ApiError::malformed)?;
+    let model = match raw.model {
+        Some(m) if !m.is_empty() => m,
+        _ => return Err(ApiError::missing_model()),
+    };
+    let (has_stream_options, include_usage) = match &raw.stream_options {
+        Some(o) => (true, o.include_usage),
+        None => (false, false),
+    };
+    Ok(ParsedRequest {
+        model,
+        prompt: raw.prompt.or(raw.input).unwrap_or_default(),
+        messages: raw.messages.map(|m| m.0),
+        stream: raw.stream.unwrap_or(false),
+        has_stream_options,
+        include_usage,
+        max_tokens: raw.max_completion_tokens.or(raw.max_tokens),
+        cache_salt: raw.cache_salt,
+        session_id: session_header.map(Cow::Borrowed).or(raw.user),
+    })
+}
+
+impl ParsedRequest<'_> {
+    /// Calls `f` with the core's view of this request for `model` / `adapter` (resolved by the
+    /// caller from the requested name).
+    pub fn with_route_request<R>(
+        &self,
+        model: &str,
+        adapter: Option<&str>,
+        f: impl FnOnce(&RouteRequest<'_>) -> R,
+    ) -> R {
+        let messages: Vec<ChatMessage<'_>>;
+        let pieces: Vec<&str>;
+        let prompt = match (&self.messages, &self.prompt) {
+            (Some(m), _) => {
+                messages = m
+                    .iter()
+                    .map(|m| ChatMessage {
+                        role: &m.role,
+                        content: &m.content,
+                    })
+                    .collect();
+                Prompt::Chat(&messages)
+            }
+            (None, PromptText::Text(t)) => Prompt::Text(t),
+            (None, PromptText::Texts(t)) => {
+                pieces = t.iter().map(|p| p.as_ref()).collect();
+                Prompt::Pieces(&pieces)
+            }
+            (None, PromptText::Tokens(t)) => Prompt::Text(t),
+            (None, PromptText::None) => Prompt::Text(""),
+        };
+        let request = RouteRequest {
+            model,
+            adapter,
+            prompt,
+            max_tokens: self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
+            cache_salt: self.cache_salt.as_deref(),
+            session_id: self.session_id.as_deref(),
+            phase: Phase::Any,
+            token_ids: None,
+        };
+        f(&request)
+    }
+}
+
+/// Adds `"stream_options":{"include_usage":true}` to a body that has no `stream_options`, so the
+/// engine reports usage at the end of a stream. Returns `None` when the body does not start
+/// with `{`.
+pub fn with_include_usage(body: &[u8]) -> Option<Vec<u8>> {
+    let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
+    if body[open] != b'{' {
+        return None;
+    }
+    let rest = &body[open + 1..];
+    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+    const FIELD: &[u8] = b"\"stream_options\":{\"include_usage\":true}";
+    let mut out = Vec::with_capacity(body.len() + FIELD.len() + 1);
+    out.push(b'{');
+    out.extend_from_slice(FIELD);
+    if !empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(rest);
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(body: &str) -> ParsedRequest<'_> {
+        parse(body.as_bytes(), None).unwrap()
+    }
+
+    #[test]
+    fn completion_fields_borrow_from_the_body() {
+        let r = p(
+            r#"{"model":"m","prompt":"hello","stream":true,"max_tokens":7,"cache_salt":"s","user":"u","temperature":0.5}"#,
+        );
+        assert!(matches!(r.model, Cow::Borrowed("m")));
+        assert!(matches!(r.prompt, PromptText::Text(Cow::Borrowed("hello"))));
+        assert!(r.stream);
+        assert!(!r.has_stream_options);
+        assert_eq!(r.max_tokens, Some(7));
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        assert_eq!(r.session_id.as_deref(), Some("u"));
+    }
+
+    #[test]
+    fn chat_contents_strings_and_text_parts() {
+        let r = p(r#"{"model":"m","messages":[
+            {"role":"system","content":"be\nbrief"},
+            {"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"}]},
+            {"role":"assistant","content":null,"tool_calls":[]}
+        ],"max_completion_tokens":3,"max_tokens":9,"stream_options":{"include_usage":true}}"#);
+        let m = r.messages.as_ref().unwrap();
+        assert_eq!(m.len(), 3);
+        assert_eq!(m[0].content, "be\nbrief");
+        assert_eq!(m[1].content, "ab");
+        assert_eq!(m[2].content, "");
+        assert_eq!(r.max_tokens, Some(3));
+        assert!(r.has_stream_options && r.include_usage);
+    }
+
+    #[test]
+    fn prompt_arrays_and_token_ids() {
+        assert_eq!(
+            p(r#"{"model":"m","prompt":["a","b"]}"#).prompt,
+            PromptText::Texts(vec![Cow::Borrowed("a"), Cow::Borrowed("b")])
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[1,2,3]}"#).prompt,
+            PromptText::Tokens("1 2 3 ".into())
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[[1,2],[3]]}"#).prompt,
+            PromptText::Tokens("1 2 3 ".into())
+        );
+        assert_eq!(
+            p(r#"{"model":"m","input":"embed me"}"#).prompt,
+            PromptText::Text(Cow::Borrowed("embed me"))
+        );
+    }
+
+    #[test]
+    fn odd_hint_types_are_ignored_not_refused() {
+        let r = p(
+            r#"{"model":"m","stream":"yes","max_tokens":-1,"user":{"a":1},"messages":"x","stream_options":null}"#,
+        );
+        assert!(!r.stream);
+        assert_eq!(r.max_tokens, None);
+        assert_eq!(r.session_id, None);
+        assert_eq!(r.messages, Some(vec![]));
+        assert!(r.has_stream_options && !r.include_usage);
+    }
+
+    #[test]
+    fn refusals() {
+        for bad in [
+            "",
+            "[]",
+            "nul",
+            "{\"model\":",
+            "{\"model\":\"m\"} x",
+            "\"s\"",
+        ] {
+            let e = parse(bad.as_bytes(), None).unwrap_err();
+            assert_eq!(e.code, "invalid_json", "{bad}");
+        }
+        for missing in [
+            "{}",
+            r#"{"model":""}"#,
+            r#"{"model":5}"#,
+            r#"{"model":null}"#,
+        ] {
+            let e = parse(missing.as_bytes(), None).unwrap_err();
+            assert_eq!(e.code, "missing_model", "{missing}");
+        }
+    }
+
+    #[test]
+    fn header_session_wins_over_user() {
+        let r = parse(br#"{"model":"m","user":"u"}"#, Some("h")).unwrap();
+        assert_eq!(r.session_id.as_deref(), Some("h"));
+    }
+
+    #[test]
+    fn route_request_renders_chat_and_pieces() {
+        let r = p(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#);
+        let len = r.with_route_request("base", Some("m"), |rr| {
+            assert_eq!(rr.model, "base");
+            assert_eq!(rr.adapter, Some("m"));
+            assert_eq!(rr.max_tokens, DEFAULT_MAX_TOKENS);
+            rr.prompt.rendered_len()
+        });
+        assert_eq!(len, "<|user|>hi<|end|>\n".len());
+        let r = p(r#"{"model":"m","prompt":["ab","cd"]}"#);
+        assert_eq!(
+            r.with_route_request("m", None, |rr| rr.prompt.rendered_len()),
+            4
+        );
+    }
+
+    #[test]
+    fn include_usage_is_spliced_in() {
+        let out = with_include_usage(br#" {"model":"m","stream":true}"#).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert_eq!(v["model"], "m");
+        let out = with_include_usage(b"{ }").unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert!(with_include_usage(b"[1]").is_none());
+    }
+}

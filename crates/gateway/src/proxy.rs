@@ -1,0 +1,578 @@
+//! The serving path: read the body once, parse what routing needs, route (waiting for capacity
+//! if saturated), then try the ranked candidates: a failure before the first response byte
+//! moves to the next candidate (bounded by `max_retries`); the answer is streamed back as it
+//! comes.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::header::{self, HeaderName};
+use http::request::Parts;
+use http::{HeaderMap, HeaderValue, Request, StatusCode};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use switchyard_core::{
+    Decision, Health, InstanceId, Observation, RequestId, RouteError, RoutePlan,
+};
+
+use crate::backends::Backend;
+use crate::errors::ApiError;
+use crate::health;
+use crate::parse::{self, ParsedRequest};
+use crate::state::Gateway;
+use crate::stream::{ObservedBody, RequestGuard};
+use crate::upstream::Failure;
+
+/// The OpenAI endpoints the gateway routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/embeddings` (routed by load only).
+    Embeddings,
+}
+
+/// `x-request-id`.
+pub static REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// `x-session-id`.
+static SESSION_ID: HeaderName = HeaderName::from_static("x-session-id");
+/// Debug header with the decision's explanation.
+pub static DECISION: HeaderName = HeaderName::from_static("x-switchyard-decision");
+/// Debug header naming the backend that answered.
+pub static BACKEND: HeaderName = HeaderName::from_static("x-switchyard-backend");
+
+/// The client's `x-request-id` if usable, else a generated one.
+pub fn request_id(gw: &Gateway, headers: &HeaderMap, rid: RequestId) -> HeaderValue {
+    match headers.get(&REQUEST_ID) {
+        Some(v) if !v.is_empty() && v.len() <= 256 && v.to_str().is_ok() => v.clone(),
+        _ => gw.request_id_header(rid),
+    }
+}
+
+/// An error answer, counted and carrying the request id.
+pub fn reject(gw: &Gateway, e: ApiError, request_id: &HeaderValue) -> Response {
+    gw.metrics.gateway_answer(e.code);
+    let mut r = e.into_response();
+    r.headers_mut()
+        .insert(REQUEST_ID.clone(), request_id.clone());
+    r
+}
+
+/// Checks `Authorization: Bearer KEY` against the configured client keys.
+pub fn authorised(gw: &Gateway, headers: &HeaderMap) -> bool {
+    if gw.settings.api_keys.is_empty() {
+        return true;
+    }
+    bearer(headers).is_some_and(|k| gw.settings.api_keys.contains(k))
+}
+
+/// The bearer token of a request, if any.
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = v.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+async fn read_body(body: Body, limit: usize, headers: &HeaderMap) -> Result<Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(ApiError::too_large(limit)),
+        Err(e) => Err(ApiError::malformed(format!("cannot read the body: {e}"))),
+    }
+}
+
+/// What routing produced for one request.
+pub(crate) struct Routed {
+    /// The router's id of the request.
+    pub(crate) rid: RequestId,
+    /// The decision (none for load-only routing).
+    pub(crate) decision: Option<Decision>,
+    /// Candidates to try, in order (the first already observed as `Routed`).
+    pub(crate) candidates: Vec<Arc<Backend>>,
+    /// Estimated prompt tokens (for the load-only plan of embeddings).
+    pub(crate) prompt_tokens: u32,
+    /// The decision explained, for the debug header.
+    pub(crate) explain: Option<String>,
+}
+
+impl Routed {
+    /// What to record when the request goes to `id`.
+    pub(crate) fn plan_for(&self, id: InstanceId) -> RoutePlan {
+        match &self.decision {
+            Some(d) => d.plan_for(id),
+            None => RoutePlan {
+                block_hashes: Vec::new(),
+                prompt_bytes: 0,
+                prompt_tokens: self.prompt_tokens,
+                matched_blocks: 0,
+                predicted_cached_tokens: 0,
+                adapter: None,
+                max_tokens: 0,
+                is_decode_only: false,
+            },
+        }
+    }
+
+    fn predicted_cached(&self, id: InstanceId) -> u32 {
+        self.decision
+            .as_ref()
+            .and_then(|d| d.candidate(id))
+            .map_or(0, |c| c.terms.cached_tokens)
+    }
+}
+
+enum RouteStep {
+    Go(Box<Routed>),
+    Saturated,
+    NoBackend,
+}
+
+/// One routing attempt under the lock; the first candidate is recorded as `Routed` at once.
+fn route_once(
+    gw: &Gateway,
+    parsed: &ParsedRequest<'_>,
+    endpoint: Endpoint,
+    rid: RequestId,
+) -> Result<RouteStep, ApiError> {
+    let max = gw.settings.max_retries as usize + 1;
+    let now = gw.now();
+    let mut guard = gw.brain.lock();
+    let brain = &mut *guard;
+    let mut ids: Vec<InstanceId> = Vec::with_capacity(max);
+    let (decision, prompt_tokens) = if endpoint == Endpoint::Embeddings {
+        let prompt_tokens = parsed.with_route_request("", None, |r| r.prompt.rendered_len()) / 4;
+        ids = brain
+            .least_loaded(&parsed.model, rid.0)
+            .map_err(|RouteError::UnknownModel(m)| ApiError::unknown_model(&m))?;
+        ids.truncate(max);
+        (
+            None,
+            u32::try_from(prompt_tokens).unwrap_or(u32::MAX).max(1),
+        )
+    } else {
+        let t0 = Instant::now();
+        let decision = brain
+            .route(parsed, now)
+            .map_err(|_| ApiError::unknown_model(&parsed.model))?;
+        gw.metrics
+            .decision_seconds
+            .observe(t0.elapsed().as_secs_f64());
+        if decision.eligible == 0 {
+            return Ok(if decision.saturated {
+                RouteStep::Saturated
+            } else {
+                RouteStep::NoBackend
+            });
+        }
+        ids.extend(decision.ranked_candidates().take(max).map(|c| c.instance));
+        let tokens = decision.prompt_tokens;
+        (Some(decision), tokens)
+    };
+    let candidates: Vec<Arc<Backend>> = ids
+        .iter()
+        .filter_map(|&id| brain.backend(id).cloned())
+        .collect();
+    let Some(first) = candidates.first() else {
+        return Ok(RouteStep::NoBackend);
+    };
+    let explain = gw
+        .settings
+        .debug_header
+        .then(|| {
+            decision.as_ref().map(|d| {
+                d.explain_with(3, |id| {
+                    brain
+                        .backend(id)
+                        .map_or_else(|| "?".to_string(), |b| b.name().to_string())
+                })
+            })
+        })
+        .flatten();
+    let routed = Routed {
+        rid,
+        decision,
+        candidates: candidates.clone(),
+        prompt_tokens,
+        explain,
+    };
+    let plan = routed.plan_for(first.id);
+    brain.observe(
+        Observation::Routed {
+            request: rid,
+            instance: first.id,
+            plan,
+        },
+        now,
+    );
+    Ok(RouteStep::Go(Box::new(routed)))
+}
+
+impl crate::state::Brain {
+    /// Healthy backends serving the requested model, fewest router-side requests in flight
+    /// first; ties rotate with `salt` so equal loads do not all land on the first backend.
+    pub fn least_loaded(&self, requested: &str, salt: u64) -> Result<Vec<InstanceId>, RouteError> {
+        let (model, _) = self.resolve(requested);
+        let fleet = self.router.fleet();
+        let pool = fleet.serving(model);
+        if pool.is_empty() {
+            return Err(RouteError::UnknownModel(requested.to_string()));
+        }
+        let n = pool.len() as u64;
+        let mut ranked: Vec<(u32, u64, InstanceId)> = pool
+            .iter()
+            .filter_map(|&slot| fleet.by_slot(slot))
+            .filter(|i| i.health == Health::Healthy)
+            .map(|i| {
+                let rotation = (u64::from(i.id.slot) + salt) % n;
+                (i.load.in_flight(), rotation, i.id)
+            })
+            .collect();
+        ranked.sort_unstable_by_key(|&(load, rot, _)| (load, rot));
+        Ok(ranked.into_iter().map(|(_, _, id)| id).collect())
+    }
+}
+
+/// Routes, waiting in the admission queue while every candidate is saturated.
+async fn route(
+    gw: &Gateway,
+    parsed: &ParsedRequest<'_>,
+    endpoint: Endpoint,
+    rid: RequestId,
+) -> Result<Routed, ApiError> {
+    let step = route_once(gw, parsed, endpoint, rid)?;
+    let step = match step {
+        RouteStep::Go(r) => return Ok(*r),
+        s => s,
+    };
+    if matches!(step, RouteStep::NoBackend) {
+        return Err(ApiError::no_backend(&parsed.model));
+    }
+    let retry_after = gw.settings.queue_timeout.as_secs().clamp(1, 60) as u32;
+    let Some(_place) = gw
+        .admission
+        .enter(gw.settings.queue_size, &gw.metrics.admission_queue)
+    else {
+        return Err(ApiError::saturated(retry_after));
+    };
+    let deadline = tokio::time::Instant::now() + gw.settings.queue_timeout;
+    while gw.admission.wait(deadline).await {
+        if gw.is_shutting_down() {
+            return Err(ApiError::shutting_down());
+        }
+        match route_once(gw, parsed, endpoint, rid)? {
+            RouteStep::Go(r) => return Ok(*r),
+            RouteStep::Saturated => {}
+            RouteStep::NoBackend => return Err(ApiError::no_backend(&parsed.model)),
+        }
+    }
+    Err(ApiError::saturated(retry_after))
+}
+
+fn hop_by_hop(name: &HeaderName) -> bool {
+    name == header::CONNECTION
+        || name == header::TRANSFER_ENCODING
+        || name == header::TE
+        || name == header::TRAILER
+        || name == header::UPGRADE
+        || name == header::PROXY_AUTHORIZATION
+        || name == header::PROXY_AUTHENTICATE
+        || name.as_str() == "keep-alive"
+}
+
+fn upstream_request(
+    backend: &Backend,
+    parts: &Parts,
+    body: Bytes,
+    request_id: &HeaderValue,
+    strip_auth: bool,
+) -> Result<Request<Full<Bytes>>, http::Error> {
+    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let uri = backend.base.uri(pq)?;
+    let len = body.len();
+    let mut request = Request::new(Full::new(body));
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = uri;
+    let headers = request.headers_mut();
+    headers.reserve(parts.headers.len() + 2);
+    for (name, value) in &parts.headers {
+        if hop_by_hop(name)
+            || name == header::HOST
+            || name == header::CONTENT_LENGTH
+            // The usage scan reads plain bodies.
+            || name == header::ACCEPT_ENCODING
+            || name == REQUEST_ID
+            || (strip_auth && name == header::AUTHORIZATION)
+        {
+            continue;
+        }
+        headers.append(name.clone(), value.clone());
+    }
+    headers.insert(REQUEST_ID.clone(), request_id.clone());
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    Ok(request)
+}
+
+/// Serves one OpenAI request end to end.
+pub async fn handle(gw: Arc<Gateway>, endpoint: Endpoint, request: Request<Body>) -> Response {
+    let started = Instant::now();
+    let rid = gw.next_request();
+    let (parts, body) = request.into_parts();
+    let request_id = request_id(&gw, &parts.headers, rid);
+    if gw.is_shutting_down() {
+        return reject(&gw, ApiError::shutting_down(), &request_id);
+    }
+    if !authorised(&gw, &parts.headers) {
+        return reject(&gw, ApiError::unauthorized(), &request_id);
+    }
+    let bytes = match read_body(body, gw.settings.max_body_bytes, &parts.headers).await {
+        Ok(b) => b,
+        Err(e) => return reject(&gw, e, &request_id),
+    };
+    let session = parts.headers.get(&SESSION_ID).and_then(|v| v.to_str().ok());
+    let parsed = match parse::parse(&bytes, session) {
+        Ok(p) => p,
+        Err(e) => return reject(&gw, e, &request_id),
+    };
+    let routed = match route(&gw, &parsed, endpoint, rid).await {
+        Ok(r) => r,
+        Err(e) => return reject(&gw, e, &request_id),
+    };
+    // Ask for the usage chunk the client did not ask for, to learn from it; it is removed
+    // again on the way back.
+    let strip_usage = gw.settings.inject_usage
+        && endpoint != Endpoint::Embeddings
+        && parsed.stream
+        && !parsed.has_stream_options;
+    let upstream_body = match strip_usage
+        .then(|| parse::with_include_usage(&bytes))
+        .flatten()
+    {
+        Some(b) => Bytes::from(b),
+        None => bytes.clone(),
+    };
+    drop(parsed);
+    if routed
+        .decision
+        .as_ref()
+        .is_some_and(Decision::is_disaggregated)
+    {
+        let inject = gw.settings.inject_usage;
+        return crate::pd::serve(&gw, routed, &parts, &bytes, &request_id, inject, started).await;
+    }
+    forward(
+        &gw,
+        routed,
+        &parts,
+        upstream_body,
+        &request_id,
+        strip_usage,
+        started,
+    )
+    .await
+}
+
+/// The first answer from the candidates that is not a retryable failure, with its guard, or
+/// the error to send when every attempt failed.
+pub(crate) type Attempt = Result<(RequestGuard, http::Response<hyper::body::Incoming>), ApiError>;
+
+/// Tries the candidates in order (the first already recorded as `Routed`): a failure before
+/// the response moves on to the next; the last candidate's answer is returned whatever it is.
+pub(crate) async fn attempt(
+    gw: &Arc<Gateway>,
+    routed: &Routed,
+    parts: &Parts,
+    body: Bytes,
+    request_id: &HeaderValue,
+) -> Attempt {
+    let strip_auth = !gw.settings.api_keys.is_empty();
+    let last = routed.candidates.len().saturating_sub(1);
+    let mut all_unreachable = true;
+    let mut last_error = String::new();
+    for (i, backend) in routed.candidates.iter().enumerate() {
+        if i > 0 {
+            gw.metrics.retries.inc();
+            gw.observe(Observation::Routed {
+                request: routed.rid,
+                instance: backend.id,
+                plan: routed.plan_for(backend.id),
+            });
+        }
+        let mut guard = RequestGuard::new(gw.clone(), routed.rid, backend.clone());
+        let mut fresh = false;
+        loop {
+            let request = upstream_request(backend, parts, body.clone(), request_id, strip_auth)
+                .map_err(ApiError::bad_gateway)?;
+            let sent = tokio::time::timeout(
+                gw.settings.upstream_timeout,
+                gw.upstream.send(fresh, request),
+            )
+            .await;
+            let response = match sent {
+                Err(_) => {
+                    backend.metrics.timeout.inc();
+                    let secs = gw.settings.upstream_timeout.as_secs_f64();
+                    return Err(ApiError::upstream_timeout(secs));
+                }
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    let failure = crate::upstream::classify(&e);
+                    if failure == Failure::Closed && !fresh {
+                        // A pooled connection the engine had closed (llama.cpp does after every
+                        // stream): the request never ran. Again on a new connection, and not
+                        // held against the engine's health.
+                        gw.metrics.upstream_failure(backend.name(), "stale");
+                        tracing::debug!(
+                            backend = backend.name(),
+                            "retrying on a fresh connection: {e}"
+                        );
+                        fresh = true;
+                        continue;
+                    }
+                    gw.metrics.upstream_failure(backend.name(), failure.label());
+                    tracing::warn!(backend = backend.name(), "upstream attempt failed: {e}");
+                    last_error = format!("{}: {e}", backend.name());
+                    all_unreachable &= failure != Failure::Closed;
+                    health::record_failure(gw, backend, failure == Failure::Refused);
+                    break;
+                }
+            };
+            let status = response.status();
+            let retryable = status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS;
+            if status.is_server_error() {
+                health::record_failure(gw, backend, false);
+            }
+            if retryable && i < last {
+                gw.metrics.upstream_failure(
+                    backend.name(),
+                    if status == StatusCode::TOO_MANY_REQUESTS {
+                        "status_429"
+                    } else {
+                        "status_5xx"
+                    },
+                );
+                tracing::debug!(backend = backend.name(), %status, "retrying on the next candidate");
+                break;
+            }
+            return Ok((guard, response));
+        }
+        guard.fail();
+    }
+    if all_unreachable {
+        let model = routed
+            .candidates
+            .first()
+            .and_then(|b| b.spec.models.first().cloned())
+            .unwrap_or_default();
+        return Err(ApiError::no_backend(&model));
+    }
+    Err(ApiError::bad_gateway(last_error))
+}
+
+/// Sends to the candidates and streams the answer back.
+pub(crate) async fn forward(
+    gw: &Arc<Gateway>,
+    routed: Routed,
+    parts: &Parts,
+    body: Bytes,
+    request_id: &HeaderValue,
+    strip_usage: bool,
+    started: Instant,
+) -> Response {
+    match attempt(gw, &routed, parts, body, request_id).await {
+        Ok((guard, response)) => respond(
+            gw,
+            &routed,
+            guard,
+            response,
+            request_id,
+            strip_usage,
+            started,
+        ),
+        Err(e) => reject(gw, e, request_id),
+    }
+}
+
+/// Turns an engine response into the client's, streaming the body through.
+pub(crate) fn respond(
+    gw: &Arc<Gateway>,
+    routed: &Routed,
+    mut guard: RequestGuard,
+    response: http::Response<hyper::body::Incoming>,
+    request_id: &HeaderValue,
+    strip_usage: bool,
+    started: Instant,
+) -> Response {
+    let (mut parts, incoming) = response.into_parts();
+    let status = parts.status;
+    let backend = guard.backend.clone();
+    let sse = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let body = if status.is_success() {
+        if strip_usage && sse {
+            parts.headers.remove(header::CONTENT_LENGTH);
+        }
+        let predicted = routed.predicted_cached(backend.id);
+        ObservedBody::tracked(incoming, guard, started, sse, strip_usage && sse, predicted)
+    } else {
+        // The engine answered: an error is the client's to see, never held against health
+        // (4xx), and the request is over as far as the router is concerned.
+        if status.is_client_error() && status != StatusCode::TOO_MANY_REQUESTS {
+            backend.metrics.client_error.inc();
+            backend.record_request_success();
+        } else {
+            backend.metrics.server_error.inc();
+        }
+        guard.fail();
+        ObservedBody::passthrough(incoming, guard)
+    };
+    parts.headers.retain_hop_by_hop();
+    parts.headers.insert(REQUEST_ID.clone(), request_id.clone());
+    if gw.settings.debug_header {
+        if let Ok(v) = HeaderValue::from_str(backend.name()) {
+            parts.headers.insert(BACKEND.clone(), v);
+        }
+        if let Some(v) = routed
+            .explain
+            .as_deref()
+            .and_then(|e| HeaderValue::from_str(e).ok())
+        {
+            parts.headers.insert(DECISION.clone(), v);
+        }
+    }
+    Response::from_parts(parts, Body::new(body))
+}
+
+/// Removes hop-by-hop headers in place.
+trait RetainHopByHop {
+    fn retain_hop_by_hop(&mut self);
+}
+
+impl RetainHopByHop for HeaderMap {
+    fn retain_hop_by_hop(&mut self) {
+        for name in [
+            header::CONNECTION,
+            header::TRANSFER_ENCODING,
+            header::TE,
+            header::TRAILER,
+            header::UPGRADE,
+            header::PROXY_AUTHENTICATE,
+        ] {
+            self.remove(name);
+        }
+        self.remove("keep-alive");
+    }
+}

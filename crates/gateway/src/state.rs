@@ -1,0 +1,242 @@
+//! Shared gateway state: the router and the backend table behind one lock, the clients, the
+//! metrics and the clock.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::HeaderValue;
+use parking_lot::Mutex;
+use switchyard_core::{Decision, InstanceId, Observation, RequestId, RouteError, Router};
+
+use crate::admission::Admission;
+use crate::backends::{Backend, BackendSpec};
+use crate::config::Settings;
+use crate::metrics::Metrics;
+use crate::parse::ParsedRequest;
+use crate::upstream::Upstream;
+
+/// What lives behind the lock: the router and the backends it knows, indexed by slot.
+pub struct Brain {
+    /// The routing core.
+    pub router: Router,
+    /// Backends by the router's slot.
+    slots: Vec<Option<Arc<Backend>>>,
+    /// Backends by name.
+    pub by_name: BTreeMap<String, Arc<Backend>>,
+    /// Adapter name -> base model, over the whole fleet.
+    adapters: HashMap<String, String>,
+    /// Backends waiting for model discovery, by name.
+    pub pending: BTreeMap<String, BackendSpec>,
+    /// Backends leaving (draining before removal), by name.
+    pub leaving: HashSet<String>,
+    /// Names the fleet file listed at its last load.
+    pub from_file: HashSet<String>,
+}
+
+impl Brain {
+    /// An empty fleet around `router`.
+    pub fn new(router: Router) -> Self {
+        Brain {
+            router,
+            slots: Vec::new(),
+            by_name: BTreeMap::new(),
+            adapters: HashMap::new(),
+            pending: BTreeMap::new(),
+            leaving: HashSet::new(),
+            from_file: HashSet::new(),
+        }
+    }
+
+    /// The backend behind a router handle, if it is still current.
+    pub fn backend(&self, id: InstanceId) -> Option<&Arc<Backend>> {
+        self.slots
+            .get(id.slot as usize)?
+            .as_ref()
+            .filter(|b| b.id == id)
+    }
+
+    /// Records a backend the router just added.
+    pub fn insert(&mut self, backend: Arc<Backend>) {
+        let slot = backend.id.slot as usize;
+        if self.slots.len() <= slot {
+            self.slots.resize(slot + 1, None);
+        }
+        self.slots[slot] = Some(backend.clone());
+        self.by_name.insert(backend.spec.name.clone(), backend);
+        self.rebuild_adapters();
+    }
+
+    /// Forgets a backend (the caller removes it from the router).
+    pub fn take(&mut self, name: &str) -> Option<Arc<Backend>> {
+        let backend = self.by_name.remove(name)?;
+        if let Some(slot) = self.slots.get_mut(backend.id.slot as usize) {
+            if slot.as_ref().is_some_and(|b| Arc::ptr_eq(b, &backend)) {
+                *slot = None;
+            }
+        }
+        self.leaving.remove(name);
+        self.rebuild_adapters();
+        Some(backend)
+    }
+
+    fn rebuild_adapters(&mut self) {
+        self.adapters.clear();
+        for b in self.by_name.values() {
+            let Some(base) = b.spec.models.first() else {
+                continue;
+            };
+            for a in &b.spec.adapters {
+                self.adapters
+                    .entry(a.clone())
+                    .or_insert_with(|| base.clone());
+            }
+        }
+    }
+
+    /// Resolves a requested model name to (base model, adapter): an adapter name maps to its
+    /// base model unless some backend serves it as a base model.
+    pub fn resolve<'a>(&'a self, requested: &'a str) -> (&'a str, Option<&'a str>) {
+        resolve_in(&self.router, &self.adapters, requested)
+    }
+
+    /// Routes a parsed request (model names resolved first).
+    pub fn route(&mut self, parsed: &ParsedRequest<'_>, now: f64) -> Result<Decision, RouteError> {
+        let (model, adapter) = resolve_in(&self.router, &self.adapters, &parsed.model);
+        let router = &mut self.router;
+        parsed.with_route_request(model, adapter, |r| router.route(r, now))
+    }
+
+    /// Every served name: base models (no parent) and adapters (with their base model).
+    pub fn catalog(&self) -> BTreeMap<String, Option<String>> {
+        let mut out = BTreeMap::new();
+        for b in self.by_name.values() {
+            for m in &b.spec.models {
+                out.insert(m.clone(), None);
+            }
+        }
+        for (a, base) in &self.adapters {
+            out.entry(a.clone()).or_insert_with(|| Some(base.clone()));
+        }
+        out
+    }
+
+    /// Applies an observation; errors (an instance or request the router no longer knows,
+    /// after a removal) are expected and only logged.
+    pub fn observe(&mut self, observation: Observation, now: f64) {
+        if let Err(e) = self.router.observe(observation, now) {
+            tracing::debug!("observation not applied: {e}");
+        }
+    }
+}
+
+fn resolve_in<'a>(
+    router: &Router,
+    adapters: &'a HashMap<String, String>,
+    requested: &'a str,
+) -> (&'a str, Option<&'a str>) {
+    if router.fleet().serving(requested).is_empty() {
+        if let Some(base) = adapters.get(requested) {
+            return (base.as_str(), Some(requested));
+        }
+    }
+    (requested, None)
+}
+
+/// The gateway: everything handlers and background tasks share.
+pub struct Gateway {
+    /// Router and backends; held only for route/observe, never across an await.
+    pub brain: Mutex<Brain>,
+    /// Settings in force.
+    pub settings: Settings,
+    /// Clients to the engines.
+    pub upstream: Upstream,
+    /// Prometheus metrics.
+    pub metrics: Metrics,
+    /// Requests waiting for capacity.
+    pub admission: Admission,
+    started: Instant,
+    started_unix: u64,
+    next_request: AtomicU64,
+    id_prefix: u32,
+    shutting_down: AtomicBool,
+}
+
+impl Gateway {
+    /// A gateway with an empty fleet.
+    pub fn new(settings: Settings, router: Router) -> Arc<Self> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos() ^ (d.as_secs() as u32))
+            .unwrap_or(0);
+        Arc::new(Gateway {
+            brain: Mutex::new(Brain::new(router)),
+            upstream: Upstream::new(settings.connect_timeout),
+            metrics: Metrics::new(),
+            admission: Admission::default(),
+            settings,
+            started: Instant::now(),
+            started_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            next_request: AtomicU64::new(1),
+            id_prefix: nanos ^ std::process::id().rotate_left(16),
+            shutting_down: AtomicBool::new(false),
+        })
+    }
+
+    /// Seconds since the gateway started: the router's clock.
+    pub fn now(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// Unix time the gateway started (`created` in `/v1/models`).
+    pub fn started_unix(&self) -> u64 {
+        self.started_unix
+    }
+
+    /// A fresh router request id and its printable form (for `x-request-id` when the client
+    /// sent none).
+    pub fn next_request(&self) -> RequestId {
+        RequestId(self.next_request.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// The generated `x-request-id` for `id`.
+    pub fn request_id_header(&self, id: RequestId) -> HeaderValue {
+        let text = format!("sy-{:08x}-{:x}", self.id_prefix, id.0);
+        // Hex digits and dashes are always a valid header value.
+        HeaderValue::from_str(&text).unwrap_or(HeaderValue::from_static("sy"))
+    }
+
+    /// Applies one observation under the lock.
+    pub fn observe(&self, observation: Observation) {
+        let now = self.now();
+        self.brain.lock().observe(observation, now);
+    }
+
+    /// Tells the router the health a backend should have, if it changed.
+    pub fn sync_health(&self, backend: &Backend) {
+        let want = backend.core_health();
+        let now = self.now();
+        let mut brain = self.brain.lock();
+        let current = brain.router.fleet().get(backend.id).map(|i| i.health);
+        if current.is_some() && current != Some(want) {
+            brain.observe(Observation::HealthChanged(backend.id, want), now);
+        }
+        drop(brain);
+        // A readmitted backend may clear saturation.
+        self.admission.wake();
+    }
+
+    /// Starts refusing new requests (graceful shutdown).
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::Release);
+        self.admission.wake();
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Acquire)
+    }
+}

@@ -1,0 +1,530 @@
+//! The response body on its way back: passed through frame by frame (no buffering), watched
+//! for the first byte (⇒ `FirstToken`) and the engine's final `usage` (⇒ `Finished`), and for
+//! a client that goes away (⇒ `Failed`, and the upstream request is dropped, which cancels it).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use switchyard_core::{Observation, RequestId, Usage};
+
+use crate::backends::{Backend, InFlightGuard};
+use crate::state::Gateway;
+
+/// One request routed to one backend: reports `Failed` to the router when dropped before it
+/// was settled (client disconnect, error, timeout), so the router never leaks an in-flight entry.
+pub struct RequestGuard {
+    gw: Arc<Gateway>,
+    /// The router's id of the request.
+    pub rid: RequestId,
+    /// Where it went.
+    pub backend: Arc<Backend>,
+    _in_flight: InFlightGuard,
+    settled: bool,
+}
+
+impl RequestGuard {
+    /// Starts tracking (the caller has already sent `Routed`).
+    pub fn new(gw: Arc<Gateway>, rid: RequestId, backend: Arc<Backend>) -> Self {
+        let in_flight = backend.enter();
+        RequestGuard {
+            gw,
+            rid,
+            backend,
+            _in_flight: in_flight,
+            settled: false,
+        }
+    }
+
+    /// Reports the request failed now (the body may still be passed on, e.g. a 4xx).
+    pub fn fail(&mut self) {
+        if !self.settled {
+            self.settled = true;
+            self.gw.observe(Observation::Failed(self.rid));
+            self.gw.admission.wake();
+        }
+    }
+
+    /// Reports the first response byte.
+    pub(crate) fn first_token(&self) {
+        if !self.settled {
+            self.gw.observe(Observation::FirstToken(self.rid));
+        }
+    }
+
+    /// Reports the request finished, with the engine's usage.
+    pub(crate) fn finish(&mut self, usage: Option<Usage>) {
+        if !self.settled {
+            self.settled = true;
+            self.gw.observe(Observation::Finished(self.rid, usage));
+            self.gw.admission.wake();
+        }
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        self.fail();
+    }
+}
+
+/// The usage object engines put in a JSON response or the last SSE chunk.
+#[derive(Debug, Default, Deserialize)]
+struct UsageJson {
+    #[serde(default)]
+    prompt_tokens: Option<u32>,
+    #[serde(default)]
+    completion_tokens: Option<u32>,
+    #[serde(default)]
+    prompt_tokens_details: Option<Details>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct Details {
+    #[serde(default)]
+    cached_tokens: Option<u32>,
+}
+
+/// llama.cpp's `timings` (its `cache_n` is the cached prompt tokens).
+#[derive(Debug, Default, Deserialize)]
+struct Timings {
+    #[serde(default)]
+    cache_n: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct Envelope {
+    #[serde(default)]
+    usage: Option<UsageJson>,
+    #[serde(default)]
+    choices: Option<Vec<IgnoredAny>>,
+    #[serde(default)]
+    timings: Option<Timings>,
+}
+
+/// Reads `usage` from a JSON object; also says whether it is a usage-only stream chunk
+/// (`choices` empty), the one added when we asked for usage on the client's behalf.
+pub fn read_usage(json: &[u8]) -> Option<(Usage, bool)> {
+    let env: Envelope = serde_json::from_slice(json).ok()?;
+    let u = env.usage?;
+    let cached = u
+        .prompt_tokens_details
+        .and_then(|d| d.cached_tokens)
+        .or(env.timings.and_then(|t| t.cache_n));
+    let usage = Usage {
+        prompt_tokens: u.prompt_tokens.unwrap_or(0),
+        cached_tokens: cached,
+        completion_tokens: u.completion_tokens.unwrap_or(0),
+    };
+    let usage_only = env.choices.is_some_and(|c| c.is_empty());
+    Some((usage, usage_only))
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// End (exclusive) of the first complete SSE event at or after `from`: after `\n\n` or `\n\r\n`.
+fn event_end(buf: &[u8], from: usize) -> Option<usize> {
+    let mut i = from;
+    while i < buf.len() {
+        if buf[i] == b'\n' {
+            match (buf.get(i + 1), buf.get(i + 2)) {
+                (Some(b'\n'), _) => return Some(i + 2),
+                (Some(b'\r'), Some(b'\n')) => return Some(i + 3),
+                _ => {}
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+/// The JSON of an SSE event's `data:` lines (joined), unless it is `[DONE]`.
+fn event_data(event: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    for line in event.split(|&b| b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(rest) = line.strip_prefix(b"data:") {
+            let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+            if !out.is_empty() {
+                out.push(b'\n');
+            }
+            out.extend_from_slice(rest);
+        }
+    }
+    (!out.is_empty() && out != b"[DONE]").then_some(out)
+}
+
+/// Watches an SSE stream for usage; optionally removes the usage-only chunk we asked for.
+#[derive(Debug, Default)]
+pub struct SseScanner {
+    pending: BytesMut,
+    strip_usage: bool,
+    /// The latest usage seen.
+    pub usage: Option<Usage>,
+}
+
+impl SseScanner {
+    /// A scanner; `strip_usage` removes usage-only chunks from what is passed on.
+    pub fn new(strip_usage: bool) -> Self {
+        SseScanner {
+            strip_usage,
+            ..Self::default()
+        }
+    }
+
+    /// Looks at one event; true when it is a usage-only chunk.
+    fn inspect(&mut self, event: &[u8]) -> bool {
+        if !contains(event, b"\"usage\"") {
+            return false;
+        }
+        let Some(data) = event_data(event) else {
+            return false;
+        };
+        match read_usage(&data) {
+            Some((usage, only)) => {
+                self.usage = Some(usage);
+                only
+            }
+            None => false,
+        }
+    }
+
+    /// Feeds one chunk; returns what to pass on (the chunk itself unless stripping, in which
+    /// case complete events only, the rest held until it completes).
+    pub fn feed(&mut self, chunk: Bytes) -> Bytes {
+        self.pending.extend_from_slice(&chunk);
+        let mut end = 0;
+        while let Some(e) = event_end(&self.pending, end) {
+            end = e;
+        }
+        if end == 0 {
+            return if self.strip_usage {
+                Bytes::new()
+            } else {
+                chunk
+            };
+        }
+        let complete = self.pending.split_to(end).freeze();
+        let mut kept: Option<BytesMut> = None;
+        let mut start = 0;
+        while let Some(e) = event_end(&complete, start) {
+            let event = &complete[start..e];
+            let usage_only = self.inspect(event);
+            if self.strip_usage && usage_only {
+                if kept.is_none() {
+                    kept = Some(BytesMut::from(&complete[..start]));
+                }
+            } else if let Some(k) = kept.as_mut() {
+                k.extend_from_slice(event);
+            }
+            start = e;
+        }
+        if !self.strip_usage {
+            return chunk;
+        }
+        match kept {
+            Some(k) => k.freeze(),
+            None => complete,
+        }
+    }
+
+    /// What is left at the end of the stream (an unterminated last event).
+    pub fn finish(&mut self) -> Bytes {
+        let rest = self.pending.split().freeze();
+        if !rest.is_empty() {
+            self.inspect(&rest);
+        }
+        if self.strip_usage {
+            rest
+        } else {
+            Bytes::new()
+        }
+    }
+}
+
+/// Largest JSON response body copied to read its usage.
+const JSON_COPY_LIMIT: usize = 8 << 20;
+
+enum Scan {
+    Sse(SseScanner),
+    Json(Vec<u8>),
+}
+
+/// What the tracker needs to settle the request.
+struct Track {
+    guard: RequestGuard,
+    started: Instant,
+    first_seen: bool,
+    predicted_cached: u32,
+    scan: Scan,
+}
+
+impl Track {
+    fn on_data(&mut self, data: Bytes) -> Bytes {
+        if !self.first_seen {
+            self.first_seen = true;
+            self.guard.first_token();
+            self.guard
+                .backend
+                .metrics
+                .ttft
+                .observe(self.started.elapsed().as_secs_f64());
+        }
+        match &mut self.scan {
+            Scan::Sse(s) => s.feed(data),
+            Scan::Json(buf) => {
+                if buf.len() + data.len() <= JSON_COPY_LIMIT {
+                    buf.extend_from_slice(&data);
+                }
+                data
+            }
+        }
+    }
+
+    fn on_end(&mut self) -> Bytes {
+        let (rest, usage) = match &mut self.scan {
+            Scan::Sse(s) => {
+                let rest = s.finish();
+                (rest, s.usage)
+            }
+            Scan::Json(buf) => (Bytes::new(), read_usage(buf).map(|(u, _)| u)),
+        };
+        let m = &self.guard.backend.metrics;
+        m.e2e.observe(self.started.elapsed().as_secs_f64());
+        m.ok.inc();
+        if let Some(u) = usage {
+            m.prompt_tokens.inc_by(u64::from(u.prompt_tokens));
+            if let Some(c) = u.cached_tokens {
+                m.reported_cached.inc_by(u64::from(c));
+                m.predicted_cached.inc_by(u64::from(self.predicted_cached));
+            }
+        }
+        self.guard.backend.record_request_success();
+        self.guard.finish(usage);
+        rest
+    }
+}
+
+impl Drop for Track {
+    fn drop(&mut self) {
+        if !self.guard.settled {
+            self.guard.backend.metrics.cancelled.inc();
+        }
+    }
+}
+
+/// The body passed to the client.
+pub struct ObservedBody {
+    inner: Incoming,
+    track: Option<Track>,
+    /// Keeps the backend's in-flight count for bodies that are not tracked (errors).
+    _guard: Option<RequestGuard>,
+    done: bool,
+}
+
+impl ObservedBody {
+    /// A tracked 2xx body: `sse` picks the scanner; `strip_usage` removes the usage chunk we
+    /// asked for; `predicted_cached` is the router's prediction for the metrics.
+    pub fn tracked(
+        inner: Incoming,
+        guard: RequestGuard,
+        started: Instant,
+        sse: bool,
+        strip_usage: bool,
+        predicted_cached: u32,
+    ) -> Self {
+        let scan = if sse {
+            Scan::Sse(SseScanner::new(strip_usage))
+        } else {
+            Scan::Json(Vec::new())
+        };
+        ObservedBody {
+            inner,
+            track: Some(Track {
+                guard,
+                started,
+                first_seen: false,
+                predicted_cached,
+                scan,
+            }),
+            _guard: None,
+            done: false,
+        }
+    }
+
+    /// An untracked body (an engine error passed through); the guard was settled already.
+    pub fn passthrough(inner: Incoming, guard: RequestGuard) -> Self {
+        ObservedBody {
+            inner,
+            track: None,
+            _guard: Some(guard),
+            done: false,
+        }
+    }
+}
+
+impl Body for ObservedBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        loop {
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(frame))) => {
+                    let Some(track) = this.track.as_mut() else {
+                        return Poll::Ready(Some(Ok(frame)));
+                    };
+                    let frame = match frame.into_data() {
+                        Ok(data) => {
+                            let mut out = track.on_data(data);
+                            // A body with a known length ends with its last byte: the server
+                            // may never poll again, so settle now.
+                            if this.inner.is_end_stream() {
+                                this.done = true;
+                                let rest = track.on_end();
+                                if !rest.is_empty() {
+                                    let mut joined = BytesMut::from(&out[..]);
+                                    joined.extend_from_slice(&rest);
+                                    out = joined.freeze();
+                                }
+                                if out.is_empty() {
+                                    return Poll::Ready(None);
+                                }
+                            } else if out.is_empty() {
+                                // Everything was held back or stripped: read on.
+                                continue;
+                            }
+                            Frame::data(out)
+                        }
+                        Err(frame) => frame,
+                    };
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    if let Some(track) = this.track.as_mut() {
+                        track.guard.backend.metrics.stream_error.inc();
+                        track.guard.fail();
+                    }
+                    this.done = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(None) => {
+                    this.done = true;
+                    if let Some(track) = this.track.as_mut() {
+                        let rest = track.on_end();
+                        if !rest.is_empty() {
+                            return Poll::Ready(Some(Ok(Frame::data(rest))));
+                        }
+                    }
+                    return Poll::Ready(None);
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.track {
+            // Stripping may change the length.
+            Some(Track {
+                scan: Scan::Sse(s), ..
+            }) if s.strip_usage => SizeHint::default(),
+            _ => self.inner.size_hint(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const USAGE: &str = "data: {\"id\":\"x\",\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":3,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n";
+    const CHUNK: &str = "data: {\"id\":\"x\",\"choices\":[{\"index\":0,\"text\":\"hi\"}]}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+
+    #[test]
+    fn usage_from_json_and_llamacpp_timings() {
+        let (u, only) = read_usage(br#"{"choices":[{}],"usage":{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":4}}}"#).unwrap();
+        assert_eq!(
+            u,
+            Usage {
+                prompt_tokens: 5,
+                cached_tokens: Some(4),
+                completion_tokens: 2
+            }
+        );
+        assert!(!only);
+        let (u, _) = read_usage(
+            br#"{"usage":{"prompt_tokens":5,"completion_tokens":2},"timings":{"cache_n":3}}"#,
+        )
+        .unwrap();
+        assert_eq!(u.cached_tokens, Some(3));
+        assert!(read_usage(br#"{"usage":null}"#).is_none());
+        assert!(read_usage(b"garbage").is_none());
+    }
+
+    #[test]
+    fn passes_chunks_unchanged_and_observes_usage() {
+        let mut s = SseScanner::new(false);
+        assert_eq!(s.feed(Bytes::from(CHUNK)), CHUNK);
+        // An event split across chunks.
+        let (a, b) = USAGE.split_at(30);
+        assert_eq!(s.feed(Bytes::from(a)), a);
+        assert!(s.usage.is_none());
+        assert_eq!(s.feed(Bytes::from(b)), b);
+        assert_eq!(s.usage.unwrap().cached_tokens, Some(8));
+        assert_eq!(s.feed(Bytes::from(DONE)), DONE);
+        assert!(s.finish().is_empty());
+    }
+
+    #[test]
+    fn strips_only_the_usage_only_chunk() {
+        let mut s = SseScanner::new(true);
+        let all = format!("{CHUNK}{USAGE}{DONE}");
+        let out = s.feed(Bytes::from(all));
+        assert_eq!(out, format!("{CHUNK}{DONE}"));
+        assert_eq!(s.usage.unwrap().prompt_tokens, 10);
+        // Split events are held until complete.
+        let mut s = SseScanner::new(true);
+        let (a, b) = CHUNK.split_at(10);
+        assert!(s.feed(Bytes::from(a)).is_empty());
+        assert_eq!(s.feed(Bytes::from(b)), CHUNK);
+        assert!(s.feed(Bytes::from(USAGE)).is_empty());
+        assert_eq!(s.feed(Bytes::from(DONE)), DONE);
+        // A chunk with usage and choices (continuous usage) is kept.
+        let mut s = SseScanner::new(true);
+        let both = "data: {\"choices\":[{\"text\":\"a\"}],\"usage\":{\"prompt_tokens\":1}}\n\n";
+        assert_eq!(s.feed(Bytes::from(both)), both);
+        assert_eq!(s.usage.unwrap().prompt_tokens, 1);
+    }
+
+    #[test]
+    fn crlf_events_and_unterminated_tail() {
+        let mut s = SseScanner::new(true);
+        let crlf = USAGE.replace("\n\n", "\r\n\r\n");
+        assert!(s.feed(Bytes::from(crlf)).is_empty());
+        assert!(s.usage.is_some());
+        let mut s = SseScanner::new(true);
+        assert!(s.feed(Bytes::from("data: {\"a\":1}")).is_empty());
+        assert_eq!(s.finish(), "data: {\"a\":1}");
+    }
+}

@@ -1,0 +1,577 @@
+//! The discrete-event loop for one policy: arrivals, engine steps and scrapes in virtual time.
+//!
+//! Pure and deterministic: the same configuration, workload and seed give the same records.
+//! At equal times engine events come first (in instance order), then scrapes, then arrivals, so
+//! a request arriving exactly when a step ends sees that step's results.
+
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rustc_hash::FxHashMap;
+use switchyard_core::{
+    EngineMetrics as CoreMetrics, InstanceId, Observation, ObserveError, Phase, RequestId,
+    RouteRequest, Router, RouterConfig, Usage,
+};
+use switchyard_engine::{
+    Engine, EngineEvent, EngineMetrics, EngineRequest, KvTransfer, RequestMode,
+};
+use switchyard_workload::Request;
+
+use crate::config::{SimConfig, Split};
+use crate::error::{Result, SimError};
+use crate::events::{Event, EventQueue};
+use crate::fleet::{self, Member};
+use crate::metrics::{InstanceStats, Outcome, RequestRecord, NO_INSTANCE};
+use crate::prompt::{encode_request, Pieces};
+
+/// Per instance, the queue length (waiting, running) at each scrape: for the queue chart.
+#[derive(Debug, Clone, Default)]
+pub struct QueueTrace {
+    /// Scrape times per recorded instance.
+    pub times: Vec<Vec<f64>>,
+    /// Waiting requests at those times.
+    pub waiting: Vec<Vec<u32>>,
+    /// Running requests at those times.
+    pub running: Vec<Vec<u32>>,
+}
+
+/// Everything one policy's run produced.
+#[derive(Debug, Clone, Default)]
+pub struct RunData {
+    /// Policy simulated.
+    pub policy: String,
+    /// One record per request, in arrival order.
+    pub records: Vec<RequestRecord>,
+    /// Per-instance totals.
+    pub instances: Vec<InstanceStats>,
+    /// Queue lengths over time of the first instances.
+    pub queues: QueueTrace,
+    /// Observations the router did not know the request of (expired as stale); should be 0.
+    pub unknown_observations: u64,
+    /// Prefill speed (tokens/s) the first replica learned per instance by the end.
+    pub learned_prefill_tokens_per_s: Vec<f64>,
+}
+
+/// Router-side id of a request's unified or prefill half.
+fn main_id(index: usize) -> RequestId {
+    RequestId(2 * index as u64)
+}
+
+/// Router-side id of a split request's decode half.
+fn decode_id(index: usize) -> RequestId {
+    RequestId(2 * index as u64 + 1)
+}
+
+/// What a split request needs for its decode half once the prefill hands over.
+struct Handoff {
+    tokens: Arc<[u32]>,
+    max_tokens: u32,
+    adapter: Option<String>,
+}
+
+/// The state of one run.
+struct Sim {
+    engines: Vec<Engine>,
+    routers: Vec<Router>,
+    ids: Vec<InstanceId>,
+    queue: EventQueue,
+    records: Vec<RequestRecord>,
+    stats: Vec<InstanceStats>,
+    live: Vec<u32>,
+    busy_since: Vec<f64>,
+    live_total: u64,
+    handoffs: FxHashMap<usize, Handoff>,
+    /// Decode halves to submit after the current batch of events: (time, request, transfer).
+    pending_decodes: Vec<(f64, usize, KvTransfer)>,
+    events: Vec<EngineEvent>,
+    track_adapters: bool,
+    resident: Vec<Vec<String>>,
+    known_adapters: Vec<Vec<String>>,
+    queues: QueueTrace,
+    unknown: u64,
+}
+
+/// Converts an engine snapshot into what a scrape of vLLM's `/metrics` gives the router.
+pub fn scraped(m: &EngineMetrics) -> CoreMetrics {
+    CoreMetrics {
+        waiting: m.num_requests_waiting,
+        running: m.num_requests_running,
+        kv_usage: Some(m.kv_cache_usage),
+        running_adapters: m.running_lora_adapters.clone(),
+        waiting_adapters: m.waiting_lora_adapters.clone(),
+        max_adapters: Some(m.max_loras),
+        kv_capacity_tokens: Some(u64::from(m.num_gpu_blocks) * u64::from(m.block_size)),
+    }
+}
+
+impl Sim {
+    fn new(config: &SimConfig, policy: &str, model: &str) -> Result<Sim> {
+        let members = fleet::build(config, model)?;
+        let n = members.len();
+        let mut routers = Vec::with_capacity(config.replicas as usize);
+        for r in 0..config.replicas {
+            let router_config = RouterConfig {
+                policy: policy.to_string(),
+                // Replicas make independent random choices, as separate processes would.
+                seed: config.router.seed ^ config.seed.rotate_left(17) ^ u64::from(r),
+                ..config.router.clone()
+            };
+            routers.push(Router::new(router_config)?);
+        }
+        let mut ids = Vec::with_capacity(n);
+        let mut engines = Vec::with_capacity(n);
+        for m in members {
+            let Member { engine, spec } = m;
+            let mut id = None;
+            for router in routers.iter_mut() {
+                let got = router.add_instance(spec.clone())?;
+                // Every replica adds the same instances in the same order: same handles.
+                debug_assert!(id.is_none_or(|i| i == got));
+                id = Some(got);
+            }
+            ids.push(id.ok_or_else(|| SimError::Setting {
+                key: "replicas",
+                reason: "must be at least 1".into(),
+            })?);
+            engines.push(engine);
+        }
+        let mut queue = EventQueue::new(n);
+        for i in 0..n {
+            // Scrapes of different instances are spread over the interval, as a scraper
+            // working through its targets would be, instead of all at one instant.
+            queue.schedule_scrape(i, config.scrape_interval_s * i as f64 / n as f64);
+        }
+        let charted = config.queue_chart_instances.min(n);
+        Ok(Sim {
+            engines,
+            routers,
+            ids,
+            queue,
+            records: Vec::new(),
+            stats: vec![InstanceStats::default(); n],
+            live: vec![0; n],
+            busy_since: vec![0.0; n],
+            live_total: 0,
+            handoffs: FxHashMap::default(),
+            pending_decodes: Vec::new(),
+            events: Vec::new(),
+            track_adapters: false,
+            resident: vec![Vec::new(); n],
+            known_adapters: vec![Vec::new(); n],
+            queues: QueueTrace {
+                times: vec![Vec::new(); charted],
+                waiting: vec![Vec::new(); charted],
+                running: vec![Vec::new(); charted],
+            },
+            unknown: 0,
+        })
+    }
+
+    /// Applies an observation to one replica; an unknown request (expired in the router as
+    /// stale) is counted, anything else is a simulator bug and stops the run.
+    fn observe(&mut self, replica: u16, observation: Observation, now: f64) -> Result<()> {
+        match self.routers[replica as usize].observe(observation, now) {
+            Ok(()) => Ok(()),
+            Err(ObserveError::UnknownRequest(_)) => {
+                self.unknown += 1;
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn mark_submitted(&mut self, i: usize, now: f64) {
+        if self.live[i] == 0 {
+            self.busy_since[i] = now;
+        }
+        self.live[i] += 1;
+        self.stats[i].requests += 1;
+    }
+
+    fn mark_done(&mut self, i: usize, now: f64) {
+        self.live[i] -= 1;
+        if self.live[i] == 0 {
+            self.stats[i].busy_s += now - self.busy_since[i];
+        }
+    }
+
+    /// Runs engine `i` up to `now`, handles what it reports, and requeues its next event.
+    fn advance(&mut self, i: usize, now: f64) -> Result<()> {
+        let mut events = std::mem::take(&mut self.events);
+        self.engines[i].advance(now, &mut events);
+        for event in events.drain(..) {
+            self.on_engine_event(i, event)?;
+        }
+        self.events = events;
+        if self.track_adapters {
+            self.count_adapter_loads(i);
+        }
+        self.queue
+            .schedule_engine(i, self.engines[i].next_event_time());
+        Ok(())
+    }
+
+    /// Adapters that became resident since the last look count as loads (the engine has no
+    /// load counter; a load and eviction inside one `advance` would be missed).
+    fn count_adapter_loads(&mut self, i: usize) {
+        let now = self.engines[i].metrics().resident_lora_adapters;
+        let before = &self.resident[i];
+        let loads = now.iter().filter(|a| !before.contains(a)).count();
+        self.stats[i].adapter_loads += loads as u64;
+        self.resident[i] = now;
+    }
+
+    fn on_engine_event(&mut self, i: usize, event: EngineEvent) -> Result<()> {
+        match event {
+            EngineEvent::FirstToken {
+                id,
+                time,
+                cached_tokens,
+                ..
+            } => {
+                let index = id as usize;
+                let r = self.records[index];
+                let prefill_half = r.is_split() && i == r.instance as usize;
+                let rid = if r.is_split() && !prefill_half {
+                    decode_id(index)
+                } else {
+                    main_id(index)
+                };
+                if prefill_half {
+                    self.records[index].cached_tokens = cached_tokens;
+                } else {
+                    let rec = &mut self.records[index];
+                    rec.first_token = time;
+                    if !r.is_split() {
+                        rec.cached_tokens = cached_tokens;
+                    }
+                }
+                self.observe(r.replica, Observation::FirstToken(rid), time)
+            }
+            EngineEvent::Finished {
+                id,
+                time,
+                prompt_tokens,
+                cached_tokens,
+                completion_tokens,
+                kv_transfer,
+                ..
+            } => {
+                let index = id as usize;
+                let r = self.records[index];
+                let prefill_half = r.is_split() && i == r.instance as usize;
+                let usage = Usage {
+                    prompt_tokens,
+                    cached_tokens: Some(cached_tokens),
+                    completion_tokens,
+                };
+                self.mark_done(i, time);
+                if prefill_half {
+                    self.observe(
+                        r.replica,
+                        Observation::Finished(main_id(index), Some(usage)),
+                        time,
+                    )?;
+                    match kv_transfer {
+                        Some(kv) => self.pending_decodes.push((time, index, kv)),
+                        None => self.fail(index, time)?,
+                    }
+                    return Ok(());
+                }
+                let rid = if r.is_split() {
+                    decode_id(index)
+                } else {
+                    main_id(index)
+                };
+                if r.outcome != Outcome::InFlight {
+                    return Err(SimError::Conservation {
+                        request: index as u64,
+                    });
+                }
+                let rec = &mut self.records[index];
+                rec.finish = time;
+                rec.prompt_tokens = prompt_tokens;
+                rec.completion_tokens = completion_tokens;
+                rec.outcome = Outcome::Finished;
+                if rec.first_token.is_nan() {
+                    rec.first_token = time;
+                }
+                self.live_total -= 1;
+                self.observe(r.replica, Observation::Finished(rid, Some(usage)), time)
+            }
+            EngineEvent::Preempted { .. } => {
+                self.stats[i].preemptions += 1;
+                Ok(())
+            }
+            EngineEvent::Tokens { .. } => Ok(()),
+        }
+    }
+
+    /// A split request whose decode half cannot be placed: counts as rejected.
+    fn fail(&mut self, index: usize, time: f64) -> Result<()> {
+        self.handoffs.remove(&index);
+        let r = self.records[index];
+        self.records[index].outcome = Outcome::Rejected;
+        self.live_total -= 1;
+        if r.is_split() {
+            self.observe(r.replica, Observation::Failed(decode_id(index)), time)?;
+        }
+        Ok(())
+    }
+
+    /// Submits the decode halves whose prefill just handed over.
+    fn submit_decodes(&mut self) -> Result<()> {
+        while let Some((time, index, kv)) = self.pending_decodes.pop() {
+            let Some(h) = self.handoffs.remove(&index) else {
+                continue;
+            };
+            let d = self.records[index].decode_instance as usize;
+            self.advance(d, time)?;
+            let request = EngineRequest {
+                id: index as u64,
+                prompt_tokens: h.tokens,
+                max_tokens: h.max_tokens,
+                adapter: h.adapter,
+                mode: RequestMode::DecodeAfterTransfer(kv),
+            };
+            if self.engines[d].submit(request, time).is_err() {
+                self.fail(index, time)?;
+                continue;
+            }
+            self.mark_submitted(d, time);
+            self.queue
+                .schedule_engine(d, self.engines[d].next_event_time());
+        }
+        Ok(())
+    }
+
+    fn ensure_adapter(&mut self, i: usize, adapter: &str) {
+        if !self.known_adapters[i].iter().any(|a| a == adapter) {
+            self.engines[i].register_adapter(adapter);
+            self.known_adapters[i].push(adapter.to_string());
+        }
+    }
+
+    fn on_arrival(&mut self, request: &Request, replica: u16, now: f64) -> Result<()> {
+        let index = self.records.len();
+        self.records.push(RequestRecord {
+            arrival: now,
+            first_token: f64::NAN,
+            finish: f64::NAN,
+            instance: NO_INSTANCE,
+            decode_instance: NO_INSTANCE,
+            replica,
+            ..RequestRecord::default()
+        });
+        let tokens = encode_request(request);
+        self.records[index].prompt_tokens = tokens.len() as u32;
+        let adapter = request.adapter.as_deref();
+        if adapter.is_some() {
+            self.track_adapters = true;
+        }
+        let pieces = Pieces::of(request);
+        let route = RouteRequest {
+            model: &request.model,
+            adapter,
+            prompt: pieces.router_prompt(),
+            max_tokens: request.max_tokens,
+            cache_salt: request.cache_salt.as_deref(),
+            session_id: request.session_id.as_deref(),
+            phase: Phase::Any,
+            token_ids: None,
+        };
+        let router = &mut self.routers[replica as usize];
+        let decision = match router.route(&route, now) {
+            Ok(d) => d,
+            Err(_) => {
+                self.records[index].outcome = Outcome::Rejected;
+                return Ok(());
+            }
+        };
+        let Some(pick) = decision.best() else {
+            self.records[index].outcome = Outcome::Rejected;
+            return Ok(());
+        };
+        let split = decision.is_disaggregated();
+        let decode_pick = if split {
+            match decision.best_decode() {
+                Some(d) => Some(d),
+                None => {
+                    self.records[index].outcome = Outcome::Rejected;
+                    return Ok(());
+                }
+            }
+        } else {
+            None
+        };
+        let p = pick.slot as usize;
+        router.observe(
+            Observation::Routed {
+                request: main_id(index),
+                instance: pick,
+                plan: decision.plan_for(pick),
+            },
+            now,
+        )?;
+        if let Some(d) = decode_pick {
+            router.observe(
+                Observation::Routed {
+                    request: decode_id(index),
+                    instance: d,
+                    plan: decision.plan_for(d),
+                },
+                now,
+            )?;
+            self.records[index].decode_instance = d.slot;
+            self.handoffs.insert(
+                index,
+                Handoff {
+                    tokens: tokens.clone(),
+                    max_tokens: request.max_tokens,
+                    adapter: adapter.map(str::to_string),
+                },
+            );
+        }
+        self.records[index].instance = p as u32;
+        self.live_total += 1;
+        self.advance(p, now)?;
+        if let Some(a) = adapter {
+            self.ensure_adapter(p, a);
+            if let Some(d) = decode_pick {
+                self.ensure_adapter(d.slot as usize, a);
+            }
+        }
+        let request = EngineRequest {
+            id: index as u64,
+            prompt_tokens: tokens,
+            max_tokens: if split { 1 } else { request.max_tokens },
+            adapter: adapter.map(str::to_string),
+            mode: if split {
+                RequestMode::PrefillOnly
+            } else {
+                RequestMode::Normal
+            },
+        };
+        if self.engines[p].submit(request, now).is_err() {
+            let r = &mut self.records[index];
+            r.outcome = Outcome::Rejected;
+            self.live_total -= 1;
+            self.handoffs.remove(&index);
+            self.observe(replica, Observation::Failed(main_id(index)), now)?;
+            if split {
+                self.observe(replica, Observation::Failed(decode_id(index)), now)?;
+            }
+            return Ok(());
+        }
+        self.mark_submitted(p, now);
+        self.queue
+            .schedule_engine(p, self.engines[p].next_event_time());
+        self.submit_decodes()
+    }
+
+    fn on_scrape(&mut self, i: usize, now: f64, interval: f64) -> Result<()> {
+        self.advance(i, now)?;
+        self.submit_decodes()?;
+        let m = self.engines[i].metrics();
+        if i < self.queues.times.len() {
+            self.queues.times[i].push(now);
+            self.queues.waiting[i].push(m.num_requests_waiting);
+            self.queues.running[i].push(m.num_requests_running);
+        }
+        let seen = scraped(&m);
+        let id = self.ids[i];
+        for r in 0..self.routers.len() {
+            self.routers[r].observe(Observation::MetricsScraped(id, seen.clone()), now)?;
+        }
+        self.queue.schedule_scrape(i, now + interval);
+        Ok(())
+    }
+}
+
+/// Simulates `policy` over `workload`; `model` is the model name the fleet serves.
+pub fn simulate(
+    config: &SimConfig,
+    policy: &str,
+    model: &str,
+    workload: impl Iterator<Item = Request>,
+) -> Result<RunData> {
+    config.validate()?;
+    let mut sim = Sim::new(config, policy, model)?;
+    let mut split_rng = ChaCha8Rng::seed_from_u64(config.seed ^ 0x5350_4c49_5420_5250);
+    let replicas = config.replicas;
+    let mut workload = workload.peekable();
+    let mut arrivals = 0u64;
+    let mut clock = 0.0f64;
+    loop {
+        let next_arrival = workload.peek().map(|r| r.arrival_s.max(clock));
+        if next_arrival.is_none() && sim.live_total == 0 {
+            break;
+        }
+        let next_event = sim.queue.peek_time();
+        let take_event = match (next_event, next_arrival) {
+            (Some(e), Some(a)) => e <= a,
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (None, None) => {
+                return Err(SimError::Stalled {
+                    time: clock,
+                    live: sim.live_total,
+                })
+            }
+        };
+        if take_event {
+            let Some((time, event)) = sim.queue.pop() else {
+                continue;
+            };
+            clock = clock.max(time);
+            match event {
+                Event::Engine(i) => {
+                    sim.advance(i, clock)?;
+                    sim.submit_decodes()?;
+                }
+                Event::Scrape(i) => {
+                    // Scrapes alone never end: with no request left, stop.
+                    if next_arrival.is_none() && sim.live_total == 0 {
+                        break;
+                    }
+                    if next_arrival.is_none() && !sim.queue.has_engine_work() {
+                        return Err(SimError::Stalled {
+                            time: clock,
+                            live: sim.live_total,
+                        });
+                    }
+                    sim.on_scrape(i, clock, config.scrape_interval_s)?;
+                }
+            }
+            continue;
+        }
+        let Some(request) = workload.next() else {
+            continue;
+        };
+        clock = clock.max(request.arrival_s);
+        let replica = match config.split {
+            Split::RoundRobin => (arrivals % u64::from(replicas)) as u16,
+            Split::Random => split_rng.random_range(0..replicas) as u16,
+        };
+        arrivals += 1;
+        sim.on_arrival(&request, replica, clock)?;
+    }
+    let learned = sim
+        .ids
+        .iter()
+        .map(|&id| {
+            sim.routers[0]
+                .learned(id)
+                .map_or(0.0, |l| l.prefill_tokens_per_s)
+        })
+        .collect();
+    Ok(RunData {
+        policy: policy.to_string(),
+        learned_prefill_tokens_per_s: learned,
+        records: sim.records,
+        instances: sim.stats,
+        queues: sim.queues,
+        unknown_observations: sim.unknown,
+    })
+}

@@ -1,0 +1,195 @@
+//! End-to-end properties of the simulator on small workloads (seconds, not minutes).
+
+use switchyard_sim::config::{default_engine, groups_for_roles, parse_roles};
+use switchyard_sim::metrics::Outcome;
+use switchyard_sim::switchyard_workload::{
+    AdapterMix, ArrivalProcess, GroupSelection, SharedPrefixSpec, TraceSpec, WorkloadSpec,
+};
+use switchyard_sim::{run, simulate, InstanceGroup, SimConfig, Split};
+
+fn shared_prefix(n: u64, rate: f64) -> WorkloadSpec {
+    WorkloadSpec::SharedPrefix(SharedPrefixSpec {
+        num_groups: 6,
+        prompts_per_group: 10,
+        system_prompt_len: 1024,
+        question_len: 64,
+        output_len: 32,
+        num_requests: Some(n),
+        group_selection: GroupSelection::Zipf { exponent: 1.2 },
+        arrivals: ArrivalProcess::Poisson { rate },
+        ..SharedPrefixSpec::default()
+    })
+}
+
+fn trace(n: u64) -> WorkloadSpec {
+    WorkloadSpec::Trace(TraceSpec {
+        max_requests: Some(n),
+        rate_scale: 4.0,
+        ..TraceSpec::default()
+    })
+}
+
+fn small_fleet(instances: u32) -> SimConfig {
+    SimConfig {
+        fleet: vec![InstanceGroup {
+            count: instances,
+            engine: default_engine(),
+        }],
+        ..SimConfig::default()
+    }
+}
+
+fn all_policies() -> Vec<String> {
+    switchyard_core::policy::POLICY_NAMES
+        .iter()
+        .map(|p| p.to_string())
+        .collect()
+}
+
+#[test]
+fn the_same_seed_gives_identical_json() {
+    let config = small_fleet(3);
+    let spec = shared_prefix(150, 40.0);
+    let policies = all_policies();
+    let a = run(&config, &spec, &policies, None).unwrap();
+    let b = run(&config, &spec, &policies, None).unwrap();
+    assert_eq!(a.results.json(), b.results.json());
+    let other = SimConfig { seed: 2, ..config };
+    let c = run(&other, &spec, &policies, None).unwrap();
+    assert_ne!(a.results.json(), c.results.json());
+}
+
+#[test]
+fn every_request_finishes_once_and_caches_at_most_its_prompt() {
+    let config = small_fleet(4);
+    for spec in [shared_prefix(200, 30.0), trace(60)] {
+        let n = spec.build(config.seed).unwrap().count();
+        for policy in ["cost", "round-robin", "sglang-cache-aware"] {
+            let data = simulate(&config, policy, "base", spec.build(config.seed).unwrap()).unwrap();
+            assert_eq!(data.records.len(), n, "{policy}");
+            for r in &data.records {
+                assert_eq!(r.outcome, Outcome::Finished, "{policy}: {r:?}");
+                assert!(r.cached_tokens <= r.prompt_tokens, "{policy}: {r:?}");
+                assert!(
+                    r.arrival <= r.first_token && r.first_token <= r.finish,
+                    "{r:?}"
+                );
+            }
+            let submitted: u64 = data.instances.iter().map(|i| i.requests).sum();
+            assert_eq!(submitted, n as u64);
+            assert_eq!(data.unknown_observations, 0);
+        }
+    }
+}
+
+#[test]
+fn the_lower_bound_is_below_every_policy() {
+    let config = small_fleet(4);
+    for spec in [shared_prefix(200, 60.0), trace(80)] {
+        let out = run(&config, &spec, &all_policies(), None).unwrap();
+        let lb = out.results.lower_bound.clone().unwrap();
+        for p in &out.results.policies {
+            assert!(
+                lb.ttft.mean <= p.ttft.mean,
+                "{}: {} > {}",
+                p.policy,
+                lb.ttft.mean,
+                p.ttft.mean
+            );
+            assert!(lb.cache_share + 1e-9 >= p.cache_share, "{}", p.policy);
+        }
+    }
+}
+
+#[test]
+fn disaggregated_fleets_finish_everything() {
+    let config = SimConfig {
+        fleet: groups_for_roles(&parse_roles("2p2d").unwrap(), &default_engine()),
+        ..SimConfig::default()
+    };
+    let spec = shared_prefix(120, 30.0);
+    for policy in ["cost", "round-robin", "dynamo-kv"] {
+        let data = simulate(&config, policy, "base", spec.build(1).unwrap()).unwrap();
+        assert!(
+            data.records.iter().all(|r| r.outcome == Outcome::Finished),
+            "{policy}"
+        );
+        // Every request was split: its prefill on 0..2, its decode on 2..4.
+        assert!(data
+            .records
+            .iter()
+            .all(|r| r.instance < 2 && (2..4).contains(&r.decode_instance)));
+        assert!(data.records.iter().any(|r| r.cached_tokens > 0), "{policy}");
+    }
+}
+
+#[test]
+fn replicas_split_the_traffic_and_everything_finishes() {
+    for split in [Split::RoundRobin, Split::Random] {
+        let config = SimConfig {
+            replicas: 3,
+            split,
+            ..small_fleet(4)
+        };
+        let data = simulate(
+            &config,
+            "cost",
+            "base",
+            shared_prefix(150, 40.0).build(1).unwrap(),
+        )
+        .unwrap();
+        let mut per_replica = [0u32; 3];
+        for r in &data.records {
+            assert_eq!(r.outcome, Outcome::Finished);
+            per_replica[r.replica as usize] += 1;
+        }
+        assert!(
+            per_replica.iter().all(|&n| n > 20),
+            "{split:?}: {per_replica:?}"
+        );
+    }
+}
+
+#[test]
+fn adapter_loads_are_counted() {
+    let mut engine = default_engine();
+    engine.max_loras = 2;
+    let config = SimConfig {
+        fleet: vec![InstanceGroup { count: 3, engine }],
+        ..SimConfig::default()
+    };
+    let spec = WorkloadSpec::Adapters {
+        workload: Box::new(shared_prefix(150, 30.0)),
+        mix: AdapterMix {
+            adapters: 8,
+            ..AdapterMix::default()
+        },
+    };
+    let out = run(&config, &spec, &["cost".into(), "round-robin".into()], None).unwrap();
+    for p in &out.results.policies {
+        assert_eq!(p.finished, 150, "{}", p.policy);
+        assert!(p.adapter_loads >= 3, "{}: {}", p.policy, p.adapter_loads);
+    }
+}
+
+#[test]
+fn outputs_are_written() {
+    let dir = std::env::temp_dir().join(format!("sy-sim-out-{}", std::process::id()));
+    let out = run(
+        &small_fleet(2),
+        &shared_prefix(40, 20.0),
+        &["cost".into()],
+        None,
+    )
+    .unwrap();
+    switchyard_sim::write_outputs(&dir, &out).unwrap();
+    for f in [
+        "results.json",
+        "results.md",
+        "ttft_cdf.svg",
+        "queue_cost.svg",
+    ] {
+        assert!(dir.join(f).exists(), "{f}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

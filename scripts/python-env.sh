@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create ./.venv (idempotent) with the pinned packages the Python tests use.
+#
+#   scripts/python-env.sh            # create/update ./.venv
+#   .venv/bin/pytest tests/python    # then run the tests
+#
+# Pins: openai 2.54.0 (latest 2.x; the official client the tests drive),
+# httpx 0.28.1 (the openai client's transport), pytest 9.2.0.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+
+want="openai==2.54.0 httpx==0.28.1 pytest==9.2.0"
+stamp="$VENV/.switchyard-pins"
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check $want
+    echo "$want" > "$stamp"
+fi
+echo "python env ready: $VENV ($want)"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The whole test suite, exactly as CI runs it (`.ci/run` calls this script):
+# formatting, lints, every Rust test (unit, integration, property, doc), then the
+# Python tests that drive our servers with the official `openai` client.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+echo "== Rust tests"
+cargo build --workspace --bins
+cargo nextest run --workspace --no-fail-fast
+cargo test --workspace --doc
+
+if [ -d tests/python ]; then
+    echo "== Python tests"
+    bash scripts/python-env.sh
+    SWITCHYARD_BIN="$PWD/target/debug/switchyard" .venv/bin/python -m pytest tests/python -q
+fi
