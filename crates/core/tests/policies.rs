@@ -707,3 +707,23 @@ fn lost_requests_expire_and_free_their_load() {
     assert_eq!(router.fleet().get(ids[0]).unwrap().load.in_flight(), 0);
     assert_eq!(router.in_flight_len(), 0);
 }
+
+#[test]
+fn random_spreads_uniformly_whatever_the_load_or_cache() {
+    let (mut router, ids) = router("random", 4);
+    load_up(&mut router, ids[0], 20, 0);
+    let mut counts = BTreeMap::new();
+    for _ in 0..2000 {
+        let pick = router
+            .route(&RouteRequest::text("m", "same prompt"), 0.0)
+            .unwrap()
+            .best()
+            .unwrap();
+        *counts.entry(pick).or_insert(0u32) += 1;
+    }
+    // 500 expected each; 5 standard deviations is about ±100.
+    assert!(
+        counts.values().all(|&n| (400..=600).contains(&n)),
+        "{counts:?}"
+    );
+}

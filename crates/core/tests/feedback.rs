@@ -1,0 +1,111 @@
+//! Feedback against a reference engine: the index never drops what the engine holds, and never
+//! keeps what the engine has proved it evicted (property test).
+
+use proptest::prelude::*;
+use switchyard_core::prefix::{chain_seed, prompt_block_hashes};
+use switchyard_core::{
+    InstanceSpec, Observation, Prompt, RequestId, RouteRequest, Router, RouterConfig, Usage,
+};
+
+const BLOCK_BYTES: usize = 256;
+const TOKENS_PER_BLOCK: u32 = 64; // 256 bytes at 4 bytes per token
+
+/// An LRU prefix cache of whole blocks, most recent first, as an engine keeps it.
+struct ReferenceEngine {
+    capacity: usize,
+    blocks: Vec<u64>,
+}
+
+impl ReferenceEngine {
+    /// Leading blocks held, then the prompt's blocks become the most recent (parents last, so
+    /// a parent is never older than its child, as in the engine model and vLLM's free queue).
+    fn serve(&mut self, chain: &[u64]) -> usize {
+        let run = chain.iter().take_while(|h| self.blocks.contains(h)).count();
+        for h in chain.iter().rev() {
+            self.blocks.retain(|x| x != h);
+            self.blocks.insert(0, *h);
+        }
+        self.blocks.truncate(self.capacity);
+        run
+    }
+
+    fn run(&self, chain: &[u64]) -> usize {
+        chain.iter().take_while(|h| self.blocks.contains(h)).count()
+    }
+}
+
+/// Prompt `i` of the pool: one of a few shared prefixes and a private tail, in whole blocks.
+fn prompt(prefix: u8, tail: u8, prefix_blocks: usize, tail_blocks: usize) -> String {
+    let mut text = String::new();
+    for b in 0..prefix_blocks {
+        text.push_str(&format!("{:<256}", format!("prefix {prefix} block {b}")));
+    }
+    for b in 0..tail_blocks {
+        text.push_str(&format!(
+            "{:<256}",
+            format!("tail {prefix}/{tail} block {b}")
+        ));
+    }
+    text
+}
+
+fn chain(text: &str) -> Vec<u64> {
+    let mut out = Vec::new();
+    prompt_block_hashes(
+        &Prompt::Text(text),
+        chain_seed("m", None, None),
+        BLOCK_BYTES,
+        &mut out,
+    );
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn feedback_is_sound_and_complete(
+        engine_capacity in 4usize..40,
+        requests in proptest::collection::vec((0u8..3, 0u8..4, 1usize..6, 0usize..6), 1..60),
+    ) {
+        let config = RouterConfig { policy: "cost".into(), ..Default::default() };
+        let mut router = Router::new(config).unwrap();
+        // The index may hold more than the engine really can: feedback must find that out.
+        let spec = InstanceSpec { kv_capacity_tokens: Some(1_000_000), ..InstanceSpec::new("a", "m") };
+        let id = router.add_instance(spec).unwrap();
+        let mut engine = ReferenceEngine { capacity: engine_capacity, blocks: Vec::new() };
+        let pool: Vec<String> = (0..3)
+            .flat_map(|p| (0..4).map(move |t| prompt(p, t, 3, 2)))
+            .collect();
+        for (n, (p, t, prefix_blocks, tail_blocks)) in requests.into_iter().enumerate() {
+            let text = prompt(p, t, prefix_blocks, tail_blocks);
+            let blocks = chain(&text);
+            let decision = router.route(&RouteRequest::text("m", &text), n as f64).unwrap();
+            let plan = decision.plan_for(id);
+            let predicted = plan.matched_blocks as usize;
+            // The evidence this request will bring: the first block the index claims and the
+            // engine lacks, and how recent that claim was.
+            let truly = engine.run(&blocks);
+            let evidence = (predicted > truly + 1).then(|| router.index().seq_of(id.slot, blocks[truly]).unwrap());
+            router.observe(Observation::Routed { request: RequestId(n as u64), instance: id, plan }, n as f64).unwrap();
+            let cached = engine.serve(&blocks) as u32 * TOKENS_PER_BLOCK;
+            prop_assert_eq!(cached as usize / TOKENS_PER_BLOCK as usize, truly);
+            router.observe(Observation::FirstToken(RequestId(n as u64)), n as f64 + 0.1).unwrap();
+            let usage = Usage { prompt_tokens: blocks.len() as u32 * TOKENS_PER_BLOCK, cached_tokens: Some(cached), completion_tokens: 1 };
+            router.observe(Observation::Finished(RequestId(n as u64), Some(usage)), n as f64 + 0.2).unwrap();
+
+            for other in pool.iter().chain(std::iter::once(&text)) {
+                let other_chain = chain(other);
+                let index_run = other_chain.iter().take_while(|h| router.index().holds(id.slot, **h)).count();
+                let engine_run = engine.run(&other_chain);
+                // Sound: nothing the engine holds was dropped.
+                prop_assert!(index_run >= engine_run, "index {} < engine {}", index_run, engine_run);
+                // Complete: a wrong entry left over must be newer than the evidence.
+                if let (Some(seq), true) = (evidence, index_run > engine_run) {
+                    let wrong = router.index().seq_of(id.slot, other_chain[engine_run]).unwrap();
+                    prop_assert!(wrong > seq, "an entry as old as the evicted block survived");
+                }
+            }
+        }
+    }
+}
