@@ -19,5 +19,6 @@ cargo test --workspace --doc
 if [ -d tests/python ]; then
     echo "== Python tests"
     bash scripts/python-env.sh
+    bash scripts/llamacpp-env.sh
     SWITCHYARD_BIN="$PWD/target/debug/switchyard" .venv/bin/python -m pytest tests/python -q
 fi

@@ -91,11 +91,16 @@ struct Details {
     cached_tokens: Option<u32>,
 }
 
-/// llama.cpp's `timings` (its `cache_n` is the cached prompt tokens).
+/// llama.cpp's `timings`: `cache_n` prompt tokens came from its cache, `prompt_n` were
+/// computed, `predicted_n` were generated.
 #[derive(Debug, Default, Deserialize)]
 struct Timings {
     #[serde(default)]
     cache_n: Option<u32>,
+    #[serde(default)]
+    prompt_n: Option<u32>,
+    #[serde(default)]
+    predicted_n: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -112,7 +117,18 @@ struct Envelope {
 /// (`choices` empty), the one added when we asked for usage on the client's behalf.
 pub fn read_usage(json: &[u8]) -> Option<(Usage, bool)> {
     let env: Envelope = serde_json::from_slice(json).ok()?;
-    let u = env.usage?;
+    let Some(u) = env.usage else {
+        // llama.cpp's last streamed chat chunk carries `timings` but no `usage` when the
+        // client did not ask for usage.
+        let t = env.timings?;
+        let (cached, computed) = (t.cache_n?, t.prompt_n?);
+        let usage = Usage {
+            prompt_tokens: cached + computed,
+            cached_tokens: Some(cached),
+            completion_tokens: t.predicted_n.unwrap_or(0),
+        };
+        return Some((usage, false));
+    };
     let cached = u
         .prompt_tokens_details
         .and_then(|d| d.cached_tokens)
@@ -182,7 +198,9 @@ impl SseScanner {
 
     /// Looks at one event; true when it is a usage-only chunk.
     fn inspect(&mut self, event: &[u8]) -> bool {
-        if !contains(event, b"\"usage\"") {
+        // llama.cpp without usage reports only `timings`; a later usage chunk, if any,
+        // replaces what they gave.
+        if !contains(event, b"\"usage\"") && !contains(event, b"\"timings\"") {
             return false;
         }
         let Some(data) = event_data(event) else {
@@ -480,6 +498,29 @@ mod tests {
         assert_eq!(u.cached_tokens, Some(3));
         assert!(read_usage(br#"{"usage":null}"#).is_none());
         assert!(read_usage(b"garbage").is_none());
+    }
+
+    #[test]
+    fn llama_cpp_timings_stand_in_for_missing_usage() {
+        let chunk = br#"{"choices":[{"finish_reason":"length","delta":{}}],"timings":{"cache_n":769,"prompt_n":1,"predicted_n":8}}"#;
+        let (u, only) = read_usage(chunk).unwrap();
+        assert_eq!(
+            u,
+            Usage {
+                prompt_tokens: 770,
+                cached_tokens: Some(769),
+                completion_tokens: 8
+            }
+        );
+        assert!(!only, "a chunk with choices is passed on");
+        // Timings without the cache counters say nothing.
+        assert!(read_usage(br#"{"timings":{"predicted_n":8}}"#).is_none());
+        let mut scanner = SseScanner::new(false);
+        let mut event = b"data: ".to_vec();
+        event.extend_from_slice(chunk);
+        event.extend_from_slice(b"\n\n");
+        scanner.feed(Bytes::from(event));
+        assert_eq!(scanner.usage.map(|u| u.cached_tokens), Some(Some(769)));
     }
 
     #[test]

@@ -106,18 +106,27 @@ impl Upstream {
         timeout: Duration,
         limit: usize,
     ) -> Result<(StatusCode, Bytes), ProbeError> {
-        let request = Request::get(uri)
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| ProbeError::Other(e.to_string()))?;
+        let build = || {
+            Request::get(uri.clone())
+                .body(Full::new(Bytes::new()))
+                .map_err(|e| ProbeError::Other(e.to_string()))
+        };
+        let probe_error = |e: &ClientError| match classify(e) {
+            Failure::Refused => ProbeError::Refused,
+            _ => ProbeError::Other(e.to_string()),
+        };
         let call = async {
-            let response = self
-                .pooled
-                .request(request)
-                .await
-                .map_err(|e| match classify(&e) {
-                    Failure::Refused => ProbeError::Refused,
-                    _ => ProbeError::Other(e.to_string()),
-                })?;
+            let response = match self.pooled.request(build()?).await {
+                Ok(response) => response,
+                // A pooled connection the engine closed after its last answer (llama.cpp does
+                // after every stream) says nothing about its health: ask once more on a new one.
+                Err(e) if classify(&e) == Failure::Closed => self
+                    .fresh
+                    .request(build()?)
+                    .await
+                    .map_err(|e| probe_error(&e))?,
+                Err(e) => return Err(probe_error(&e)),
+            };
             let status = response.status();
             let body = Limited::new(response.into_body(), limit)
                 .collect()
