@@ -1,0 +1,469 @@
+#!/usr/bin/env bash
+# Gateway overhead benchmark (docs/gateway.md, "Overhead").
+#
+# Starts two zero-delay emulators (`switchyard engine --instant`), `switchyard serve` over
+# both (cost policy) and nginx (Debian package; round robin over both, keep-alive upstream
+# connections), all on 127.0.0.1, then drives each target with the open-loop load generator
+# (crates/gateway/examples/overhead.rs): a 2,048-token chat request (8 KiB of text,
+# max_tokens 4, non-streaming) at a constant rate, latency to the complete response.
+#
+#   1. fixed rates (RATES, default 500 and 2000 req/s): DURATION s measured after WARMUP s,
+#      REPEATS rounds, each round direct -> switchyard -> nginx; the table shows the median
+#      over rounds of p50 / p99 / p99.9, and the added latency (target minus direct);
+#   2. the highest sustained rate of each target: achieved >= 98 % of offered, no errors and
+#      p99 < P99_LIMIT_US (search: x1.5 steps from SEARCH_START, then bisection).
+#
+# PIN=split (default) puts the load generator on CPU 0, busy-polling (--spin), and the
+# emulators and proxies on CPU 1 (so the proxy and the backend share one core, in every
+# configuration); PIN=none leaves placement to the scheduler and the generator sleeps between
+# sends. The fixed-rate rounds run in each IDLE mode (default both): `idle` leaves CPU 1 free to
+# go idle between requests (on a VM every wake-up from idle costs tens to hundreds of µs, and
+# that shows up in every target's latency); `busy` keeps it out of idle with a SCHED_IDLE spin
+# loop, which yields to any real work at once, so what remains is the work on the request path.
+# STREAM=1 adds streamed rows. Everything stops by itself and every process and temp file is
+# removed on exit, failure or Ctrl-C.
+#
+# Usage: bash bench/overhead.sh
+# Knobs (environment): RATES DURATION WARMUP REPEATS IDLE SEARCH SEARCH_START SEARCH_MAX
+#   SEARCH_DURATION SEARCH_WARMUP P99_LIMIT_US PIN STREAM WORDS MAX_TOKENS QUIET_WAIT
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RATES=${RATES:-"500 2000"}
+DURATION=${DURATION:-10}
+WARMUP=${WARMUP:-2}
+REPEATS=${REPEATS:-3}
+SEARCH=${SEARCH:-1}
+SEARCH_START=${SEARCH_START:-2000}
+SEARCH_MAX=${SEARCH_MAX:-60000}
+SEARCH_DURATION=${SEARCH_DURATION:-5}
+SEARCH_WARMUP=${SEARCH_WARMUP:-1}
+BISECT=${BISECT:-4}
+P99_LIMIT_US=${P99_LIMIT_US:-10000}
+PIN=${PIN:-split}
+IDLE=${IDLE:-"idle busy"}
+STREAM=${STREAM:-0}
+WORDS=${WORDS:-2048}
+MAX_TOKENS=${MAX_TOKENS:-4}
+QUIET_WAIT=${QUIET_WAIT:-120}
+MODEL=m
+
+case $PIN in
+split)
+    GEN_CPU=0
+    SUT_CPU=1
+    GEN_SPIN=(--spin)
+    ;;
+none)
+    GEN_CPU=""
+    SUT_CPU=""
+    GEN_SPIN=()
+    IDLE=idle
+    ;;
+*)
+    echo "PIN must be split or none" >&2
+    exit 2
+    ;;
+esac
+if [[ -n $SUT_CPU ]] && (($(nproc) < 2)); then
+    echo "PIN=split needs 2 CPUs; use PIN=none" >&2
+    exit 2
+fi
+
+log() { printf '%s\n' "$*" >&2; }
+die() {
+    log "error: $*"
+    exit 1
+}
+
+# --- build ------------------------------------------------------------------------------
+log "building (release)..."
+(cd "$ROOT" && cargo build --release --quiet -p switchyard --bin switchyard \
+    -p switchyard-gateway --example overhead) || die "build failed"
+SY=$ROOT/target/release/switchyard
+GEN=$ROOT/target/release/examples/overhead
+
+# --- nginx ------------------------------------------------------------------------------
+if ! command -v nginx >/dev/null 2>&1 && [[ ! -x /usr/sbin/nginx ]]; then
+    log "installing nginx (Debian package)..."
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y nginx >/dev/null 2>&1 ||
+        { apt-get update >/dev/null && apt-get install -y nginx >/dev/null; } ||
+        die "cannot install nginx"
+fi
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+
+# --- processes and cleanup --------------------------------------------------------------
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/switchyard-overhead.XXXXXX")
+PIDS=()
+cleanup() {
+    local pid
+    for pid in "${PIDS[@]}"; do
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+    for _ in $(seq 1 50); do
+        local alive=0
+        for pid in "${PIDS[@]}"; do
+            kill -0 "$pid" 2>/dev/null && alive=1
+        done
+        ((alive)) || break
+        sleep 0.1
+    done
+    for pid in "${PIDS[@]}"; do
+        kill -KILL "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+pinned() { # CPU CMD... : runs CMD on CPU (or anywhere when CPU is empty)
+    local cpu=$1
+    shift
+    if [[ -n $cpu ]]; then
+        taskset -c "$cpu" "$@"
+    else
+        "$@"
+    fi
+}
+
+# start NAME CPU CMD...: background process, stdout/stderr in $TMP/NAME.{out,err}; sets LAST_PID
+start() {
+    local name=$1 cpu=$2
+    shift 2
+    # exec: the recorded pid is the process itself (so it can be stopped and measured).
+    if [[ -n $cpu ]]; then
+        exec taskset -c "$cpu" "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
+    else
+        exec "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
+    fi
+    LAST_PID=$!
+    PIDS+=("$LAST_PID")
+}
+
+# address NAME PID: the URL from the process's `listening on` line
+address() {
+    local url
+    for _ in $(seq 1 200); do
+        if url=$(grep -o -m1 'http://[0-9.]*:[0-9]*' "$TMP/$1.out" 2>/dev/null); then
+            echo "$url"
+            return
+        fi
+        kill -0 "$2" 2>/dev/null || { cat "$TMP/$1.err" >&2; die "$1 exited"; }
+        sleep 0.05
+    done
+    die "$1 printed no address"
+}
+
+wait_ok() { # URL PATH METHOD
+    for _ in $(seq 1 200); do
+        curl -sf -o /dev/null --max-time 1 "$1" && return
+        sleep 0.05
+    done
+    die "$1 does not answer"
+}
+
+cpu_ticks() { # PID... -> user+system clock ticks of those processes
+    local t=0 p v
+    for p in "$@"; do
+        v=$(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)
+        t=$((t + v))
+    done
+    echo "$t"
+}
+busy_ticks() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }
+HZ=$(getconf CLK_TCK)
+
+# Waits (up to QUIET_WAIT s) until the machine is idle: other work on 2 cores ruins latency tails.
+wait_quiet() {
+    local waited=0 a b busy
+    while :; do
+        a=$(busy_ticks)
+        sleep 2
+        b=$(busy_ticks)
+        busy=$(((b - a) * 100 / (2 * HZ)))
+        if ((busy < 10)); then
+            log "machine idle (${busy}% of one core busy before the run)"
+            return
+        fi
+        if ((waited >= QUIET_WAIT)); then
+            log "warning: machine still busy (${busy}% of one core) after ${QUIET_WAIT} s; measuring anyway"
+            return
+        fi
+        log "machine busy (${busy}% of one core in use by other work); waiting..."
+        waited=$((waited + 2))
+    done
+}
+
+# --- start the fleet --------------------------------------------------------------------
+log "starting 2 instant emulators, switchyard serve and nginx (PIN=$PIN)..."
+start e1 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 1
+E1_PID=$LAST_PID
+start e2 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 2
+E2_PID=$LAST_PID
+E1=$(address e1 "$E1_PID")
+E2=$(address e2 "$E2_PID")
+
+start switchyard "$SUT_CPU" "$SY" serve --listen 127.0.0.1:0 --policy cost \
+    --backend "$E1" --backend "$E2"
+SW_PID=$LAST_PID
+SW=$(address switchyard "$SW_PID")
+
+NGINX_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+mkdir -p "$TMP/nginx"
+cat >"$TMP/nginx/nginx.conf" <<EOF
+# Generated by bench/overhead.sh: round robin over the two emulators, keep-alive both sides.
+daemon off;
+user root;
+worker_processes 1;
+pid $TMP/nginx/nginx.pid;
+error_log $TMP/nginx/error.log warn;
+events {
+    worker_connections 4096;
+}
+http {
+    access_log off;
+    client_body_temp_path $TMP/nginx/client_body;
+    proxy_temp_path $TMP/nginx/proxy;
+    fastcgi_temp_path $TMP/nginx/fastcgi;
+    uwsgi_temp_path $TMP/nginx/uwsgi;
+    scgi_temp_path $TMP/nginx/scgi;
+    client_max_body_size 16m;
+    client_body_buffer_size 64k;
+    keepalive_requests 100000000;
+    keepalive_timeout 300s;
+    upstream emulators {
+        server ${E1#http://};
+        server ${E2#http://};
+        keepalive 256;
+        keepalive_requests 100000000;
+        keepalive_timeout 300s;
+    }
+    server {
+        listen 127.0.0.1:$NGINX_PORT;
+        location / {
+            proxy_pass http://emulators;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }
+    }
+}
+EOF
+start nginx "$SUT_CPU" "$NGINX" -e "$TMP/nginx/error.log" -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf"
+NG_PID=$LAST_PID
+NG=http://127.0.0.1:$NGINX_PORT
+wait_ok "$NG/v1/models"
+wait_ok "$SW/health"
+NG_PIDS=("$NG_PID" $(pgrep -P "$NG_PID" || true))
+
+log "direct: $E1 (and $E2); switchyard: $SW; nginx: $NG"
+
+# --- one run ----------------------------------------------------------------------------
+declare -A URL=([direct]=$E1 [switchyard]=$SW [nginx]=$NG)
+
+# run TARGET RATE DURATION WARMUP [generator args...] -> prints the RESULT fields plus
+# proxy_cpu_us (proxy CPU per request), backend_cpu_us, other_pct (CPU used outside our
+# processes during the run, % of one core)
+run() {
+    local target=$1 rate=$2 duration=$3 warmup=$4
+    shift 4
+    local proxy_pids=() backend_pids=("$E1_PID" "$E2_PID")
+    case $target in
+    switchyard) proxy_pids=("$SW_PID") ;;
+    nginx) proxy_pids=("${NG_PIDS[@]}") ;;
+    esac
+    local p0 b0 all0 p1 b1 all1 s0 s1 line
+    s0=$(cpu_ticks $SPIN_PID)
+    p0=$(cpu_ticks "${proxy_pids[@]}")
+    b0=$(cpu_ticks "${backend_pids[@]}")
+    all0=$(busy_ticks)
+    line=$(pinned "$GEN_CPU" "$GEN" --url "${URL[$target]}" --label "$target" --rate "$rate" \
+        --duration "$duration" --warmup "$warmup" --model "$MODEL" --words "$WORDS" \
+        --max-tokens "$MAX_TOKENS" "${GEN_SPIN[@]}" "$@" 2>>"$TMP/generator.err" | grep '^RESULT' || true)
+    p1=$(cpu_ticks "${proxy_pids[@]}")
+    b1=$(cpu_ticks "${backend_pids[@]}")
+    all1=$(busy_ticks)
+    s1=$(cpu_ticks $SPIN_PID)
+    if [[ -z $line ]]; then
+        tail -3 "$TMP/generator.err" >&2
+        line="RESULT label=$target rate=$rate achieved=0 ok=0 errors=1 timeouts=0"
+    fi
+    awk -v line="$line" -v p=$((p1 - p0)) -v b=$((b1 - b0)) -v all=$((all1 - all0 - (s1 - s0))) \
+        -v hz="$HZ" -v n="$(awk -v r="$rate" -v d="$duration" -v w="$warmup" 'BEGIN{print r*(d+w)}')" \
+        -v secs="$(awk -v d="$duration" -v w="$warmup" 'BEGIN{print d+w}')" 'BEGIN {
+            split(line, kv, " "); for (i in kv) { split(kv[i], f, "="); v[f[1]] = f[2] }
+            gen = v["cpu_s"] * hz
+            other = all - p - b - gen; if (other < 0) other = 0
+            printf "%s proxy_cpu_us=%.1f backend_cpu_us=%.1f gen_cpu_pct=%.0f other_pct=%.0f\n",
+                line, p / hz * 1e6 / n, b / hz * 1e6 / n, v["cpu_s"] / secs * 100,
+                other / hz / secs * 100
+        }'
+}
+
+field() { # LINE KEY
+    local kv
+    for kv in $1; do
+        [[ $kv == "$2="* ]] && {
+            echo "${kv#*=}"
+            return
+        }
+    done
+    echo 0
+}
+
+show() { # LINE: one log line per run
+    local l=$1
+    log "$(printf '  %-10s %6s req/s: achieved %7s, p50 %7s µs, p99 %8s µs, p99.9 %8s µs, errors %s, late(p99) %s µs, proxy CPU %s µs/req, gen CPU %s%%, other %s%%' \
+        "$(field "$l" label)" "$(field "$l" rate)" "$(field "$l" achieved)" "$(field "$l" p50_us)" \
+        "$(field "$l" p99_us)" "$(field "$l" p999_us)" "$(( $(field "$l" errors) + $(field "$l" timeouts) ))" \
+        "$(field "$l" lag_p99_us)" "$(field "$l" proxy_cpu_us)" "$(field "$l" gen_cpu_pct)" "$(field "$l" other_pct)")"
+}
+
+median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print 0; else if (NR%2) print a[(NR+1)/2]; else printf "%.1f\n", (a[NR/2]+a[NR/2+1])/2}'; }
+
+SPIN_PID=""
+
+# --- 1. fixed rates ---------------------------------------------------------------------
+RESULTS=$TMP/results
+: >"$RESULTS"
+MODES=(plain)
+((STREAM)) && MODES+=(stream)
+stop_spinner() {
+    if [[ -n $SPIN_PID ]]; then
+        kill "$SPIN_PID" 2>/dev/null || true
+        wait "$SPIN_PID" 2>/dev/null || true
+        SPIN_PID=""
+    fi
+}
+wait_quiet
+for idle in $IDLE; do
+    if [[ $idle == busy ]]; then
+        # Lowest-priority busy loop on the proxies' core: it runs only when nothing else wants
+        # the CPU, so the core never halts and no request waits for it to wake up.
+        exec chrt --idle 0 taskset -c "$SUT_CPU" bash -c 'while :; do :; done' &
+        SPIN_PID=$!
+        PIDS+=("$SPIN_PID")
+    fi
+    for mode in "${MODES[@]}"; do
+        extra=()
+        [[ $mode == stream ]] && extra=(--stream)
+        for rate in $RATES; do
+            for round in $(seq 1 "$REPEATS"); do
+                log "[$mode, CPU $idle, $rate req/s, round $round/$REPEATS]"
+                for target in direct switchyard nginx; do
+                    line=$(run "$target" "$rate" "$DURATION" "$WARMUP" "${extra[@]}")
+                    show "$line"
+                    echo "mode=$mode idle=$idle round=$round $line" >>"$RESULTS"
+                    sleep 1
+                done
+            done
+        done
+    done
+    stop_spinner
+done
+
+# --- 2. highest sustained rate ----------------------------------------------------------
+passes() { # LINE RATE
+    awk -v a="$(field "$1" achieved)" -v r="$2" -v e="$(field "$1" errors)" \
+        -v t="$(field "$1" timeouts)" -v p="$(field "$1" p99_us)" -v lim="$P99_LIMIT_US" \
+        'BEGIN { exit !(a >= 0.98 * r && e == 0 && t == 0 && p > 0 && p < lim) }'
+}
+declare -A MAXRATE
+if ((SEARCH)); then
+    wait_quiet
+    for target in direct switchyard nginx; do
+        log "[highest sustained rate: $target]"
+        lo=0
+        hi=0
+        rate=$SEARCH_START
+        while ((rate <= SEARCH_MAX)); do
+            line=$(run "$target" "$rate" "$SEARCH_DURATION" "$SEARCH_WARMUP")
+            show "$line"
+            sleep 1
+            if passes "$line" "$rate"; then
+                lo=$rate
+                rate=$(((rate * 3 / 2 + 50) / 100 * 100))
+            else
+                hi=$rate
+                break
+            fi
+        done
+        for _ in $(seq 1 "$BISECT"); do
+            ((hi > 0)) || break
+            mid=$((((lo + hi) / 2 + 50) / 100 * 100))
+            ((mid > lo && mid < hi)) || break
+            line=$(run "$target" "$mid" "$SEARCH_DURATION" "$SEARCH_WARMUP")
+            show "$line"
+            sleep 1
+            if passes "$line" "$mid"; then lo=$mid; else hi=$mid; fi
+        done
+        if ((hi == 0)); then
+            MAXRATE[$target]=">= $lo"
+        else
+            MAXRATE[$target]="$lo (fails at $hi)"
+        fi
+    done
+fi
+
+# --- report -----------------------------------------------------------------------------
+stat_of() { # MODE IDLE RATE TARGET KEY -> median over rounds
+    grep "^mode=$1 idle=$2 " "$RESULTS" | grep " label=$4 rate=$3 " | while read -r l; do field "$l" "$5"; done | median
+}
+echo
+echo "Gateway overhead: 2,048-token chat request ($WORDS words, max_tokens $MAX_TOKENS), open loop, \
+${DURATION} s after ${WARMUP} s warm-up, median of $REPEATS rounds; latency to the complete response, \
+from each request's scheduled send time; PIN=$PIN; $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')); \
+CPU 1 idle: free to halt between requests, busy: kept out of idle by a SCHED_IDLE spin loop"
+echo
+echo "| request | CPU 1 | rate (req/s) | target | achieved | p50 (µs) | p99 (µs) | p99.9 (µs) | added p50 | added p99 | added p99.9 | proxy CPU (µs/req) |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+for idle in $IDLE; do
+    for mode in "${MODES[@]}"; do
+        for rate in $RATES; do
+            d50=$(stat_of "$mode" "$idle" "$rate" direct p50_us)
+            d99=$(stat_of "$mode" "$idle" "$rate" direct p99_us)
+            d999=$(stat_of "$mode" "$idle" "$rate" direct p999_us)
+            for target in direct switchyard nginx; do
+                a=$(stat_of "$mode" "$idle" "$rate" "$target" achieved)
+                p50=$(stat_of "$mode" "$idle" "$rate" "$target" p50_us)
+                p99=$(stat_of "$mode" "$idle" "$rate" "$target" p99_us)
+                p999=$(stat_of "$mode" "$idle" "$rate" "$target" p999_us)
+                cpu=$(stat_of "$mode" "$idle" "$rate" "$target" proxy_cpu_us)
+                if [[ $target == direct ]]; then
+                    echo "| $mode | $idle | $rate | $target | $a | $p50 | $p99 | $p999 | — | — | — | — |"
+                else
+                    awk -v m="$mode" -v i="$idle" -v r="$rate" -v t="$target" -v a="$a" -v p50="$p50" \
+                        -v p99="$p99" -v p999="$p999" -v d50="$d50" -v d99="$d99" -v d999="$d999" \
+                        -v cpu="$cpu" 'BEGIN {
+                        printf "| %s | %s | %s | %s | %s | %s | %s | %s | %+.1f | %+.1f | %+.1f | %s |\n",
+                            m, i, r, t, a, p50, p99, p999, p50 - d50, p99 - d99, p999 - d999, cpu }'
+                fi
+            done
+        done
+    done
+done
+if ((SEARCH)); then
+    echo
+    echo "Highest sustained rate (achieved >= 98 % of offered, no errors, p99 < $P99_LIMIT_US µs; ${SEARCH_DURATION} s after ${SEARCH_WARMUP} s warm-up):"
+    echo
+    echo "| target | req/s |"
+    echo "|---|---|"
+    for target in direct switchyard nginx; do
+        echo "| $target | ${MAXRATE[$target]} |"
+    done
+fi
+if [[ " $RATES " == *" 2000 "* ]]; then
+    echo
+    for idle in $IDLE; do
+        sw50=$(stat_of plain "$idle" 2000 switchyard p50_us)
+        sw99=$(stat_of plain "$idle" 2000 switchyard p99_us)
+        d50=$(stat_of plain "$idle" 2000 direct p50_us)
+        d99=$(stat_of plain "$idle" 2000 direct p99_us)
+        awk -v a="$sw50" -v b="$sw99" -v c="$d50" -v d="$d99" -v i="$idle" 'BEGIN {
+            x = a - c; y = b - d
+            printf "Target at 2,000 req/s, CPU 1 %s (added < 50 µs at p50, < 250 µs at p99): p50 %+.1f µs %s, p99 %+.1f µs %s\n",
+                i, x, (x < 50 ? "MET" : "NOT MET"), y, (y < 250 ? "MET" : "NOT MET") }'
+    done
+fi
