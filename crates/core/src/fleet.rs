@@ -193,91 +193,26 @@ pub enum Health {
     Draining,
 }
 
-/// The scraped numbers scoring reads, copied out of [`EngineMetrics`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ScrapedLoad {
-    /// Requests waiting in the engine.
-    pub waiting: u32,
-    /// Requests running in the engine.
-    pub running: u32,
-    /// KV usage 0..=1, if reported.
-    pub kv_usage: Option<f64>,
-    /// When they were scraped.
-    pub at: f64,
-}
-
-/// Copies of the few facts a decision reads per candidate, kept beside the load so scoring
-/// a thousand candidates touches one or two cache lines each instead of the whole instance.
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Hot {
-    role: Role,
-    max_running: Option<u32>,
-    kv_capacity_tokens: Option<u64>,
-    adapter_slots: u32,
-    scraped: Option<ScrapedLoad>,
-}
-
-/// One instance with everything the router knows about it. The fields a decision reads
-/// come first (`repr(C)` keeps that order).
+/// One instance with everything the router knows about it.
 #[derive(Debug, Clone)]
-#[repr(C)]
 pub struct Instance {
     /// Handle.
     pub id: InstanceId,
-    /// Health.
-    pub health: Health,
-    hot: Hot,
-    /// Router-side accounting.
-    pub load: RouterLoad,
-    /// Learned speeds.
-    pub learned: Learned,
     /// Static description.
     pub spec: InstanceSpec,
+    /// Health.
+    pub health: Health,
+    /// Router-side accounting.
+    pub load: RouterLoad,
     /// Last scraped engine metrics and when they were scraped.
-    engine: Option<(EngineMetrics, f64)>,
+    pub engine: Option<(EngineMetrics, f64)>,
+    /// Learned speeds.
+    pub learned: Learned,
     /// Adapter residency.
     pub adapters: AdapterResidency,
 }
 
 impl Instance {
-    fn new(id: InstanceId, spec: InstanceSpec, learned: Learned) -> Instance {
-        let hot = Hot {
-            role: spec.role,
-            max_running: spec.max_running,
-            kv_capacity_tokens: spec.kv_capacity_tokens,
-            adapter_slots: spec.adapter_slots,
-            scraped: None,
-        };
-        Instance {
-            id,
-            health: Health::Healthy,
-            hot,
-            load: RouterLoad::default(),
-            learned,
-            spec,
-            engine: None,
-            adapters: AdapterResidency::default(),
-        }
-    }
-
-    /// Records a metrics scrape taken at `at`.
-    pub fn set_engine_metrics(&mut self, metrics: EngineMetrics, at: f64) {
-        self.hot.kv_capacity_tokens = metrics.kv_capacity_tokens.or(self.spec.kv_capacity_tokens);
-        self.hot.adapter_slots = metrics.max_adapters.unwrap_or(self.spec.adapter_slots);
-        self.hot.scraped = Some(ScrapedLoad {
-            waiting: metrics.waiting,
-            running: metrics.running,
-            kv_usage: metrics.kv_usage,
-            at,
-        });
-        self.engine = Some((metrics, at));
-    }
-
-    /// The last scrape and when it was taken.
-    pub fn engine_metrics(&self) -> Option<(&EngineMetrics, f64)> {
-        self.engine.as_ref().map(|(m, at)| (m, *at))
-    }
-
     /// Engine metrics if scraped within `stale_after` seconds of `now`; stale ones are unknown.
     pub fn fresh_metrics(&self, now: f64, stale_after: f64) -> Option<&EngineMetrics> {
         self.engine
@@ -286,29 +221,20 @@ impl Instance {
             .map(|(m, _)| m)
     }
 
-    /// The scraped load if fresh (the hot copy of [`Instance::fresh_metrics`]).
-    pub fn fresh_load(&self, now: f64, stale_after: f64) -> Option<ScrapedLoad> {
-        self.hot.scraped.filter(|s| now - s.at <= stale_after)
-    }
-
-    /// Prefill, decode or both.
-    pub fn role(&self) -> Role {
-        self.hot.role
-    }
-
-    /// Maximum sequences running at once, if known.
-    pub fn max_running(&self) -> Option<u32> {
-        self.hot.max_running
-    }
-
     /// KV capacity in tokens: the engine's report wins over configuration.
     pub fn kv_capacity_tokens(&self) -> Option<u64> {
-        self.hot.kv_capacity_tokens
+        self.engine
+            .as_ref()
+            .and_then(|(m, _)| m.kv_capacity_tokens)
+            .or(self.spec.kv_capacity_tokens)
     }
 
     /// Adapter slots: the engine's report wins over configuration.
     pub fn adapter_slots(&self) -> u32 {
-        self.hot.adapter_slots
+        self.engine
+            .as_ref()
+            .and_then(|(m, _)| m.max_adapters)
+            .unwrap_or(self.spec.adapter_slots)
     }
 
     /// Whether the instance can serve `adapter` (resident, registered, or loadable at runtime).
@@ -354,7 +280,16 @@ impl Fleet {
             self.by_model.entry(model.clone()).or_default().push(slot);
         }
         self.by_name.insert(spec.name.clone(), slot);
-        self.slots[slot as usize] = Some(Instance::new(id, spec, learned));
+        let residency = AdapterResidency::default();
+        self.slots[slot as usize] = Some(Instance {
+            id,
+            spec,
+            health: Health::Healthy,
+            load: RouterLoad::default(),
+            engine: None,
+            learned,
+            adapters: residency,
+        });
         Ok(id)
     }
 
@@ -482,14 +417,9 @@ mod tests {
     fn stale_metrics_are_unknown() {
         let mut fleet = Fleet::default();
         let a = fleet.add(InstanceSpec::new("a", "m"), learned()).unwrap();
-        fleet
-            .get_mut(a)
-            .unwrap()
-            .set_engine_metrics(EngineMetrics::default(), 10.0);
+        fleet.get_mut(a).unwrap().engine = Some((EngineMetrics::default(), 10.0));
         let i = fleet.get(a).unwrap();
         assert!(i.fresh_metrics(12.0, 5.0).is_some());
         assert!(i.fresh_metrics(15.5, 5.0).is_none());
-        assert!(i.fresh_load(12.0, 5.0).is_some());
-        assert!(i.fresh_load(15.5, 5.0).is_none());
     }
 }

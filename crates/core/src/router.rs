@@ -200,7 +200,7 @@ impl Router {
                 excluded.push(candidate(reason));
                 continue;
             }
-            match instance.role() {
+            match instance.spec.role {
                 crate::fleet::Role::Both => unified.push(candidate(None)),
                 crate::fleet::Role::Prefill => prefill.push(candidate(None)),
                 crate::fleet::Role::Decode => decode.push(candidate(None)),
@@ -295,7 +295,7 @@ impl Router {
             .is_some_and(|max| instance.load.in_flight() >= max);
         let over_waiting = cost.max_waiting.is_some_and(|max| {
             instance
-                .fresh_load(now, self.config.estimates.metrics_stale_after_s)
+                .fresh_metrics(now, self.config.estimates.metrics_stale_after_s)
                 .is_some_and(|m| m.waiting >= max)
         });
         (over_in_flight || over_waiting).then_some(Exclusion::Saturated)
@@ -362,7 +362,7 @@ impl Router {
                         instance.adapters.resident.truncate(slots.max(1) as usize);
                     }
                 }
-                instance.set_engine_metrics(metrics, now);
+                instance.engine = Some((metrics, now));
                 if let Some(instance) = self.fleet.get(id) {
                     let capacity = self.index_capacity(instance);
                     if capacity != self.index.capacity(id.slot) {

@@ -55,7 +55,7 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
                 "kv_tokens": i.load.kv_tokens,
             })
         });
-        let engine = instance.and_then(|i| i.engine_metrics()).map(|(m, at)| {
+        let engine = instance.and_then(|i| i.engine.as_ref()).map(|(m, at)| {
             json!({
                 "metrics": m,
                 "age_s": now - at,

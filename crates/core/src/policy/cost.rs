@@ -29,7 +29,7 @@ struct LoadView {
 }
 
 fn load_view(ctx: &ScoringContext<'_>, instance: &Instance) -> LoadView {
-    let fresh = instance.fresh_load(ctx.now, ctx.config.estimates.metrics_stale_after_s);
+    let fresh = instance.fresh_metrics(ctx.now, ctx.config.estimates.metrics_stale_after_s);
     let load = &instance.load;
     let engine_pending = fresh.map_or(0.0, |m| {
         f64::from(m.waiting) * instance.learned.mean_uncached_tokens
@@ -46,7 +46,7 @@ fn load_view(ctx: &ScoringContext<'_>, instance: &Instance) -> LoadView {
 
 /// Waiting for a free sequence slot once `max_running` sequences are busy.
 fn slot_wait_s(instance: &Instance, in_system: u32) -> f64 {
-    match instance.max_running() {
+    match instance.spec.max_running {
         Some(max) if max > 0 && in_system >= max => {
             let excess = f64::from(in_system + 1 - max);
             excess * instance.learned.service_time_s / f64::from(max)
