@@ -10,30 +10,23 @@
 use rand::rngs::SmallRng;
 use rand::Rng;
 
-use super::{depth_by_slot, Policy, ScoringContext, TieBreak};
+use super::routed_prefixes::RoutedPrefixes;
+use super::{Policy, ScoringContext, TieBreak};
 use crate::config::GieConfig;
 use crate::decision::Candidate;
-use crate::prefix::{chain_seed, prompt_block_hashes, BlockMatch, PrefixIndex, Slot};
+use crate::prefix::Slot;
 
 /// The GIE-style weighted-scorer policy with its own prefix LRU.
 pub struct Gie {
     config: GieConfig,
-    prefix: PrefixIndex,
-    hashes: Vec<u64>,
-    matches: Vec<BlockMatch>,
-    depth: Vec<u32>,
+    prefix: RoutedPrefixes,
 }
 
 impl Gie {
     /// With the given weights.
     pub fn new(config: GieConfig) -> Self {
-        Gie {
-            config,
-            prefix: PrefixIndex::new(),
-            hashes: Vec::new(),
-            matches: Vec::new(),
-            depth: Vec::new(),
-        }
+        let prefix = RoutedPrefixes::new(config.block_chars, config.lru_capacity_per_server);
+        Gie { config, prefix }
     }
 }
 
@@ -60,17 +53,8 @@ impl Policy for Gie {
             return;
         }
         let stale = ctx.config.estimates.metrics_stale_after_s;
-        let request = ctx.request;
-        self.hashes.clear();
-        let seed = chain_seed(request.model, request.adapter, None);
-        prompt_block_hashes(
-            &request.prompt,
-            seed,
-            self.config.block_chars,
-            &mut self.hashes,
-        );
-        self.prefix.lookup(&self.hashes, &mut self.matches);
-        depth_by_slot(&self.matches, ctx.fleet.slot_bound(), &mut self.depth);
+        self.prefix.hash(ctx);
+        self.prefix.lookup(ctx);
         let metrics: Vec<(f64, f64)> = candidates
             .iter()
             .map(|c| {
@@ -83,7 +67,7 @@ impl Policy for Gie {
             .collect();
         let max_q = metrics.iter().map(|m| m.0).fold(f64::MIN, f64::max);
         let min_q = metrics.iter().map(|m| m.0).fold(f64::MAX, f64::min);
-        let total_blocks = self.hashes.len().max(1) as f64;
+        let total_blocks = self.prefix.prompt_blocks().max(1) as f64;
         let mut best = f64::MIN;
         for (c, (queue, kv)) in candidates.iter_mut().zip(&metrics) {
             let queue_score = if max_q > min_q {
@@ -92,7 +76,7 @@ impl Policy for Gie {
                 1.0
             };
             let kv_score = 1.0 - kv.clamp(0.0, 1.0);
-            let held = self.depth[c.instance.slot as usize];
+            let held = self.prefix.depth(c.instance.slot);
             let prefix_score = f64::from(held) / total_blocks;
             let total = self.config.queue_weight * queue_score
                 + self.config.kv_cache_weight * kv_score
@@ -107,16 +91,10 @@ impl Policy for Gie {
             .collect();
         let pick = top[rng.random_range(0..top.len())];
         candidates[pick].score -= 1e-9;
-        let slot = candidates[pick].instance.slot;
-        if self.prefix.capacity(slot) == 0 {
-            self.prefix
-                .set_capacity(slot, self.config.lru_capacity_per_server);
-        }
-        self.prefix.insert(slot, &self.hashes);
+        self.prefix.record(candidates[pick].instance.slot);
     }
 
     fn forget_instance(&mut self, slot: Slot) {
-        self.prefix.clear_slot(slot);
-        self.prefix.set_capacity(slot, 0);
+        self.prefix.forget(slot);
     }
 }

@@ -17,6 +17,7 @@ mod cost;
 mod dynamo;
 mod gie;
 mod kubeai;
+mod routed_prefixes;
 mod sglang;
 
 pub use cost::{decode_terms, prefill_terms};
@@ -149,18 +150,5 @@ pub(crate) fn pick_then_by_load(
         } else {
             1.0 + f64::from(ctx.instance(c).load.in_flight())
         };
-    }
-}
-
-/// Writes each slot's matched depth into `out` (indexed by slot, 0 where nothing matched).
-pub(crate) fn depth_by_slot(
-    matches: &[crate::prefix::BlockMatch],
-    bound: usize,
-    out: &mut Vec<u32>,
-) {
-    out.clear();
-    out.resize(bound, 0);
-    for m in matches {
-        out[m.slot as usize] = m.blocks;
     }
 }

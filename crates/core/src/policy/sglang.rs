@@ -12,38 +12,24 @@
 
 use rand::rngs::SmallRng;
 
-use super::{depth_by_slot, pick_then_by_load, Policy, ScoringContext, TieBreak};
+use super::routed_prefixes::RoutedPrefixes;
+use super::{pick_then_by_load, Policy, ScoringContext, TieBreak};
 use crate::config::SglangConfig;
 use crate::decision::Candidate;
-use crate::prefix::{chain_seed, prompt_block_hashes, BlockMatch, PrefixIndex, Slot};
+use crate::prefix::Slot;
 
 /// The SGLang-style cache-aware policy with its own per-worker tree.
 pub struct SglangCacheAware {
     config: SglangConfig,
-    tree: PrefixIndex,
-    hashes: Vec<u64>,
-    matches: Vec<BlockMatch>,
-    depth: Vec<u32>,
+    tree: RoutedPrefixes,
 }
 
 impl SglangCacheAware {
     /// With the given thresholds.
     pub fn new(config: SglangConfig) -> Self {
-        SglangCacheAware {
-            config,
-            tree: PrefixIndex::new(),
-            hashes: Vec::new(),
-            matches: Vec::new(),
-            depth: Vec::new(),
-        }
-    }
-
-    fn ensure_lane(&mut self, slot: Slot) {
-        if self.tree.capacity(slot) == 0 {
-            let blocks = (self.config.max_tree_chars / self.config.block_chars as u64).max(1);
-            self.tree
-                .set_capacity(slot, blocks.min(u64::from(u32::MAX)) as u32);
-        }
+        let blocks = (config.max_tree_chars / config.block_chars as u64).max(1);
+        let tree = RoutedPrefixes::new(config.block_chars, blocks.min(u64::from(u32::MAX)) as u32);
+        SglangCacheAware { config, tree }
     }
 }
 
@@ -90,26 +76,15 @@ impl Policy for SglangCacheAware {
                 .min_by_key(|(_, l)| **l)
                 .map_or(0, |(i, _)| i)
         };
-        for c in candidates.iter() {
-            self.ensure_lane(c.instance.slot);
-        }
         let request = ctx.request;
-        self.hashes.clear();
-        let seed = chain_seed(request.model, request.adapter, None);
-        prompt_block_hashes(
-            &request.prompt,
-            seed,
-            self.config.block_chars,
-            &mut self.hashes,
-        );
+        self.tree.hash(ctx);
         let pick = if is_imbalanced(max, min, &self.config) {
             first_least_loaded()
         } else {
-            self.tree.lookup(&self.hashes, &mut self.matches);
-            depth_by_slot(&self.matches, ctx.fleet.slot_bound(), &mut self.depth);
+            self.tree.lookup(ctx);
             let mut best: Option<(usize, u32)> = None;
             for (i, c) in candidates.iter().enumerate() {
-                let blocks = self.depth[c.instance.slot as usize];
+                let blocks = self.tree.depth(c.instance.slot);
                 if blocks > best.map_or(0, |b| b.1) {
                     best = Some((i, blocks));
                 }
@@ -124,8 +99,8 @@ impl Policy for SglangCacheAware {
                     // The smallest tree: the worker that has been sent the least text.
                     let mut smallest = 0;
                     for (i, c) in candidates.iter().enumerate() {
-                        if self.tree.len(c.instance.slot)
-                            < self.tree.len(candidates[smallest].instance.slot)
+                        if self.tree.held(c.instance.slot)
+                            < self.tree.held(candidates[smallest].instance.slot)
                         {
                             smallest = i;
                         }
@@ -134,14 +109,12 @@ impl Policy for SglangCacheAware {
                 }
             }
         };
-        self.tree
-            .insert(candidates[pick].instance.slot, &self.hashes);
+        self.tree.record(candidates[pick].instance.slot);
         pick_then_by_load(ctx, candidates, pick);
     }
 
     fn forget_instance(&mut self, slot: Slot) {
-        self.tree.clear_slot(slot);
-        self.tree.set_capacity(slot, 0);
+        self.tree.forget(slot);
     }
 }
 
