@@ -134,6 +134,9 @@ pub fn run(args: DemoArgs) -> Result<()> {
         );
         if args.pd {
             println!(
+                "  # prefill/decode pair: a short prompt runs whole on the decode instance (selective\n  # disaggregation); one over cost.local_prefill_max_tokens uncached tokens is split,\n  # and the x-switchyard-prefill header names the prefill instance"
+            );
+            println!(
                 "  curl -si {url}/v1/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{pd_model}\",\"prompt\":\"Prefill here, decode there\",\"max_tokens\":16}}'"
             );
         }

@@ -1,5 +1,6 @@
 //! The `switchyard` command.
 
+mod bench_cmd;
 mod demo_cmd;
 mod engine_cmd;
 mod route_cmd;
@@ -29,6 +30,8 @@ enum Command {
     Route(route_cmd::RouteArgs),
     /// Simulate a fleet in virtual time and compare routing policies on one workload.
     Sim(sim_cmd::SimArgs),
+    /// Open-loop load generator: replay a workload against an OpenAI-compatible server.
+    Bench(bench_cmd::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -46,5 +49,6 @@ fn main() -> anyhow::Result<()> {
         Command::Engine(args) => engine_cmd::run(args),
         Command::Route(args) => route_cmd::run(args),
         Command::Sim(args) => sim_cmd::run(args),
+        Command::Bench(args) => bench_cmd::run(args),
     }
 }

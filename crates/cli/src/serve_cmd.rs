@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use switchyard_core::RouterConfig;
 use switchyard_gateway::config::{load_router_config, parse_api_keys};
+use switchyard_gateway::pd::PdStyle;
 use switchyard_gateway::{BackendSpec, Settings};
 
 /// Parses seconds (fractions allowed) into a duration.
@@ -115,6 +116,96 @@ pub struct ServeArgs {
     /// gateway otherwise adds it to learn from the engine's usage and strips that chunk).
     #[arg(long)]
     pub no_usage_injection: bool,
+    /// How disaggregated requests hand the KV cache from prefill to decode: nixl (vLLM
+    /// NixlConnector: prefill first, its kv_transfer_params to decode) or sglang (both at once
+    /// with bootstrap_host/port/room). A prefill backend with bootstrap_port= is SGLang-style
+    /// whatever this says.
+    #[arg(long, default_value = "nixl", value_name = "nixl|sglang")]
+    pub pd_style: PdStyle,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+}
+
+/// Dynamic LoRA adapter placement flags of `switchyard serve` (router settings `placement.*`).
+#[derive(Debug, Clone, Args)]
+pub struct PlacementArgs {
+    /// Load LoRA adapters onto more backends as their demand grows and unload cold copies, with
+    /// hysteresis and a per-backend cooldown (router setting placement.enabled). Only adapters
+    /// given a --lora-path are loaded or unloaded.
+    #[arg(long)]
+    pub dynamic_lora_placement: bool,
+    /// Where a LoRA adapter's weights are, as NAME=PATH (repeatable): the `lora_path` sent to
+    /// POST /v1/load_lora_adapter.
+    #[arg(long = "lora-path", value_name = "NAME=PATH")]
+    pub lora_paths: Vec<String>,
+    /// Seconds between two placement plans (placement.interval_s).
+    #[arg(long, value_name = "SECS")]
+    pub placement_interval: Option<f64>,
+    /// Half-life in seconds of the per-adapter request rate (placement.half_life_s).
+    #[arg(long, value_name = "SECS")]
+    pub placement_half_life: Option<f64>,
+    /// Requests/s per holding backend above which an adapter is loaded onto one more
+    /// (placement.scale_up_rps).
+    #[arg(long, value_name = "RPS")]
+    pub placement_scale_up_rps: Option<f64>,
+    /// Requests/s per holding backend, counted with one fewer, below which a copy is unloaded;
+    /// must be below the scale-up rate (placement.scale_down_rps).
+    #[arg(long, value_name = "RPS")]
+    pub placement_scale_down_rps: Option<f64>,
+    /// Seconds a backend is left alone after a load or unload (placement.cooldown_s).
+    #[arg(long, value_name = "SECS")]
+    pub placement_cooldown: Option<f64>,
+    /// Seconds an adapter stays on a backend before that copy may be unloaded
+    /// (placement.min_residency_s).
+    #[arg(long, value_name = "SECS")]
+    pub placement_min_residency: Option<f64>,
+    /// Most loads and unloads in one plan (placement.max_actions).
+    #[arg(long, value_name = "N")]
+    pub placement_max_actions: Option<u32>,
+    /// How many times colder (per holding backend) a copy must be to give its slot to a hotter
+    /// adapter (placement.eviction_ratio).
+    #[arg(long, value_name = "X")]
+    pub placement_eviction_ratio: Option<f64>,
+}
+
+impl PlacementArgs {
+    /// Applies the flags to the router settings; returns the adapter paths.
+    fn apply(
+        &self,
+        router: &mut RouterConfig,
+    ) -> Result<std::collections::BTreeMap<String, String>> {
+        let p = &mut router.placement;
+        p.enabled |= self.dynamic_lora_placement;
+        let set = |slot: &mut f64, v: Option<f64>| {
+            if let Some(v) = v {
+                *slot = v;
+            }
+        };
+        set(&mut p.interval_s, self.placement_interval);
+        set(&mut p.half_life_s, self.placement_half_life);
+        set(&mut p.scale_up_rps, self.placement_scale_up_rps);
+        set(&mut p.scale_down_rps, self.placement_scale_down_rps);
+        set(&mut p.cooldown_s, self.placement_cooldown);
+        set(&mut p.min_residency_s, self.placement_min_residency);
+        set(&mut p.eviction_ratio, self.placement_eviction_ratio);
+        if let Some(n) = self.placement_max_actions {
+            p.max_actions = n;
+        }
+        let mut paths = std::collections::BTreeMap::new();
+        for entry in &self.lora_paths {
+            let Some((name, path)) = entry
+                .split_once('=')
+                .map(|(n, p)| (n.trim(), p.trim()))
+                .filter(|(n, p)| !n.is_empty() && !p.is_empty())
+            else {
+                bail!("--lora-path `{entry}`: expected NAME=PATH");
+            };
+            if paths.insert(name.to_string(), path.to_string()).is_some() {
+                bail!("--lora-path: `{name}` is given twice");
+            }
+        }
+        Ok(paths)
+    }
 }
 
 /// Builds the gateway settings from the flags (and the environment for API keys).
@@ -132,6 +223,7 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
     if args.max_waiting.is_some() {
         router.cost.max_waiting = args.max_waiting;
     }
+    let lora_paths = args.placement.apply(&mut router)?;
     router.validate()?;
     let backends = args
         .backends
@@ -181,6 +273,8 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
         admin_token: args.admin_token.clone(),
         debug_header: args.debug_header,
         inject_usage: !args.no_usage_injection,
+        pd_style: args.pd_style,
+        lora_paths,
     })
 }
 
@@ -323,6 +417,77 @@ mod tests {
         assert!(s.debug_header);
         assert!(!s.inject_usage);
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn pd_style_flag() {
+        let default = Cli::try_parse_from(["x", "--backend", "h:1"]).unwrap();
+        assert_eq!(settings(&default.args).unwrap().pd_style, PdStyle::Nixl);
+        let sglang =
+            Cli::try_parse_from(["x", "--backend", "h:1", "--pd-style", "sglang"]).unwrap();
+        assert_eq!(settings(&sglang.args).unwrap().pd_style, PdStyle::Sglang);
+        assert!(Cli::try_parse_from(["x", "--backend", "h:1", "--pd-style", "nope"]).is_err());
+    }
+
+    #[test]
+    fn placement_flags() {
+        let off = Cli::try_parse_from(["x", "--backend", "h:1"]).unwrap();
+        let s = settings(&off.args).unwrap();
+        assert!(!s.router.placement.enabled);
+        assert!(s.lora_paths.is_empty());
+        let cli = Cli::try_parse_from([
+            "x",
+            "--backend",
+            "h:1",
+            "--dynamic-lora-placement",
+            "--lora-path",
+            "sql=/adapters/sql",
+            "--lora-path",
+            "chat = s3://bucket/chat",
+            "--placement-interval",
+            "0.5",
+            "--placement-half-life",
+            "20",
+            "--placement-scale-up-rps",
+            "6",
+            "--placement-scale-down-rps",
+            "2",
+            "--placement-cooldown",
+            "45",
+            "--placement-min-residency",
+            "90",
+            "--placement-max-actions",
+            "3",
+            "--placement-eviction-ratio",
+            "8",
+        ])
+        .unwrap();
+        let s = settings(&cli.args).unwrap();
+        let p = &s.router.placement;
+        assert!(p.enabled);
+        assert_eq!(s.lora_paths["sql"], "/adapters/sql");
+        assert_eq!(s.lora_paths["chat"], "s3://bucket/chat");
+        assert_eq!((p.interval_s, p.half_life_s), (0.5, 20.0));
+        assert_eq!((p.scale_up_rps, p.scale_down_rps), (6.0, 2.0));
+        assert_eq!((p.cooldown_s, p.min_residency_s), (45.0, 90.0));
+        assert_eq!((p.max_actions, p.eviction_ratio), (3, 8.0));
+        for bad in [
+            vec!["--lora-path", "nopath"],
+            vec!["--lora-path", "=p"],
+            vec!["--lora-path", "a=p", "--lora-path", "a=q"],
+            vec![
+                "--placement-scale-up-rps",
+                "1",
+                "--placement-scale-down-rps",
+                "1",
+            ],
+            vec!["--placement-max-actions", "0"],
+        ] {
+            let mut argv = vec!["x", "--backend", "h:1"];
+            argv.extend(bad.iter().copied());
+            let cli = Cli::try_parse_from(argv).unwrap();
+            assert!(settings(&cli.args).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

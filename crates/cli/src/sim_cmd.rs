@@ -8,7 +8,8 @@ use switchyard_core::RouterConfig;
 use switchyard_sim::config::{default_engine, groups_for_roles, parse_roles};
 use switchyard_sim::switchyard_engine::{EngineConfig, Profile};
 use switchyard_sim::switchyard_workload::{
-    AdapterMix, ArrivalProcess, GroupSelection, SharedPrefixSpec, TraceSpec, WorkloadSpec,
+    AdapterMix, ArrivalProcess, GroupSelection, PopularityShift, SharedPrefixSpec, TraceSpec,
+    WorkloadSpec,
 };
 use switchyard_sim::{FleetFile, InstanceGroup, SimConfig, Split};
 
@@ -71,6 +72,10 @@ pub struct SimArgs {
     /// Zipf exponent of adapter popularity.
     #[arg(long, default_value_t = 1.0)]
     adapter_zipf: f64,
+    /// Popularity shift: after this fraction of the requests (0..=1) the adapter ranking is
+    /// replaced by a seeded permutation with a different favourite (needs --adapters).
+    #[arg(long, value_name = "FRACTION")]
+    adapter_shift_at: Option<f64>,
 
     /// Instances (all both-role unless --roles or --fleet).
     #[arg(long, default_value_t = 8)]
@@ -179,9 +184,15 @@ fn workload(args: &SimArgs) -> anyhow::Result<WorkloadSpec> {
             mix: AdapterMix {
                 adapters,
                 zipf_exponent: args.adapter_zipf,
+                shift: args
+                    .adapter_shift_at
+                    .map(|at_fraction| PopularityShift { at_fraction }),
                 ..AdapterMix::default()
             },
         },
+        None if args.adapter_shift_at.is_some() => {
+            bail!("--adapter-shift-at needs --adapters N")
+        }
         None => base,
     })
 }

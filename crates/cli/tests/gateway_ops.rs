@@ -436,7 +436,20 @@ async fn the_demo_runs_a_whole_fleet_in_one_command() {
     let r = post(
         &c,
         &demo.url("/v1/completions"),
-        &json!({"model": "demo-llama-8b-pd", "prompt": "split", "max_tokens": 4}),
+        &json!({"model": "demo-llama-8b-pd", "prompt": "short", "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    // Short: run whole on the decode instance (selective disaggregation).
+    assert_eq!(r.header("x-switchyard-prefill"), None);
+    assert_eq!(
+        r.header("x-switchyard-backend").as_deref(),
+        Some("decode-0")
+    );
+    let r = post(
+        &c,
+        &demo.url("/v1/completions"),
+        &json!({"model": "demo-llama-8b-pd", "prompt": prompt("split", 9000), "max_tokens": 4}),
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.text);

@@ -418,7 +418,9 @@ async fn a_prefill_decode_pair_serves_disaggregated_requests() {
         "--debug-header",
     ]);
     let c = client();
-    let p = prompt("pd", 200);
+    // Over `cost.local_prefill_max_tokens`, so it is split (shorter prompts may run whole on
+    // the decode instance: selective disaggregation).
+    let p = prompt("pd", 9000);
     let r = post(
         &c,
         &gw.url("/v1/completions"),
@@ -436,7 +438,20 @@ async fn a_prefill_decode_pair_serves_disaggregated_requests() {
     );
     let v = r.json();
     assert_eq!(v["usage"]["completion_tokens"], 6);
-    assert_eq!(v["usage"]["prompt_tokens"], 200);
+    assert_eq!(v["usage"]["prompt_tokens"], 9000);
+    // A short prompt runs whole on the decode instance: no hand-off.
+    let r = post(
+        &c,
+        &gw.url("/v1/completions"),
+        &json!({"model": MODEL, "prompt": prompt("short", 100), "max_tokens": 3}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(r.header("x-switchyard-prefill").is_none());
+    assert_eq!(
+        r.header("x-switchyard-backend").unwrap(),
+        decode.authority()
+    );
 
     // Streamed chat, usage not asked for: none shown.
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": 4, "stream": true});
@@ -470,5 +485,6 @@ async fn a_prefill_decode_pair_serves_disaggregated_requests() {
         )
     };
     assert_eq!(ok(&prefill), 2.0);
-    assert_eq!(ok(&decode), 2.0);
+    // Two decode legs and the short request run whole.
+    assert_eq!(ok(&decode), 3.0);
 }

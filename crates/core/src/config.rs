@@ -40,6 +40,8 @@ pub struct RouterConfig {
     pub gie: GieConfig,
     /// The `kubeai-chwbl` baseline.
     pub kubeai: KubeAiConfig,
+    /// Dynamic LoRA adapter placement (the gateway's `--dynamic-lora-placement`).
+    pub placement: PlacementConfig,
 }
 
 impl Default for RouterConfig {
@@ -56,6 +58,7 @@ impl Default for RouterConfig {
             dynamo: DynamoConfig::default(),
             gie: GieConfig::default(),
             kubeai: KubeAiConfig::default(),
+            placement: PlacementConfig::default(),
         }
     }
 }
@@ -141,6 +144,13 @@ pub struct CostConfig {
     pub adapter_cooldown_s: f64,
     /// Per token, seconds to move KV from a prefill to a decode instance.
     pub kv_transfer_s_per_token: f64,
+    /// Selective disaggregation: a request whose uncached prompt on a decode instance is at most
+    /// this many tokens may run whole there when that is cheaper than the hand-off (0: always
+    /// hand off).
+    pub local_prefill_max_tokens: u32,
+    /// Pools larger than twice this are scored on a shortlist: the instances holding a prefix of
+    /// the prompt plus this many least loaded of each role (0: score every instance).
+    pub shortlist_len: usize,
     /// Engine-reported waiting requests at or above which an instance is saturated (none: never).
     pub max_waiting: Option<u32>,
     /// Router-side in-flight requests at or above which an instance is saturated (none: never).
@@ -163,6 +173,10 @@ impl Default for CostConfig {
             adapter_cooldown_s: 10.0,
             // 128 KiB of KV per token (Llama-3-8B in fp16) over about 25 GB/s.
             kv_transfer_s_per_token: 5.2e-6,
+            // Swept on the Mooncake trace over 4p4d (docs/results.md): 8192 gave the best TTFT
+            // with decode ITL unchanged; 16384 started to hurt ITL.
+            local_prefill_max_tokens: 8192,
+            shortlist_len: 64,
             max_waiting: None,
             max_in_flight: None,
         }
@@ -230,6 +244,8 @@ pub struct GieConfig {
     pub block_chars: usize,
     /// Prefix blocks remembered per server.
     pub lru_capacity_per_server: u32,
+    /// Weight of the LoRA affinity scorer (`gie-lora` only).
+    pub lora_affinity_weight: f64,
 }
 
 impl Default for GieConfig {
@@ -240,6 +256,7 @@ impl Default for GieConfig {
             prefix_weight: 3.0,
             block_chars: 64,
             lru_capacity_per_server: 31_250,
+            lora_affinity_weight: 1.0,
         }
     }
 }
@@ -263,6 +280,97 @@ impl Default for KubeAiConfig {
             load_factor: 1.25,
             replicas: 256,
         }
+    }
+}
+
+/// Dynamic LoRA adapter placement (see [`crate::placement`]): when a hot adapter gets another
+/// instance and a cold copy is unloaded, with hysteresis and per-instance cooldowns.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PlacementConfig {
+    /// Whether the gateway plans and executes placements.
+    pub enabled: bool,
+    /// Seconds between two plans.
+    pub interval_s: f64,
+    /// Half-life in seconds of the decayed per-adapter request rate (the demand).
+    pub half_life_s: f64,
+    /// Demand per holding instance (requests/s) above which an adapter gets one more instance.
+    pub scale_up_rps: f64,
+    /// Demand per holding instance, counted with one holder fewer, below which a copy is
+    /// unloaded; below `scale_up_rps` (the hysteresis band).
+    pub scale_down_rps: f64,
+    /// Seconds after a load or unload on an instance before it is changed again.
+    pub cooldown_s: f64,
+    /// Seconds an adapter stays on an instance before that copy may be unloaded.
+    pub min_residency_s: f64,
+    /// Most load/unload actions in one plan.
+    pub max_actions: u32,
+    /// A copy is evicted to make room only if its demand per holder is at most this many times
+    /// smaller than the newcomer's.
+    pub eviction_ratio: f64,
+}
+
+impl Default for PlacementConfig {
+    fn default() -> Self {
+        PlacementConfig {
+            enabled: false,
+            interval_s: 1.0,
+            half_life_s: 60.0,
+            scale_up_rps: 4.0,
+            scale_down_rps: 1.0,
+            cooldown_s: 120.0,
+            min_residency_s: 300.0,
+            max_actions: 2,
+            eviction_ratio: 4.0,
+        }
+    }
+}
+
+impl PlacementConfig {
+    /// Checks the placement settings' ranges.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let finite_pos = |x: f64| x.is_finite() && x > 0.0;
+        let finite_nonneg = |x: f64| x.is_finite() && x >= 0.0;
+        check(
+            finite_pos(self.interval_s),
+            "placement.interval_s",
+            "must be > 0",
+        )?;
+        check(
+            finite_pos(self.half_life_s),
+            "placement.half_life_s",
+            "must be > 0",
+        )?;
+        check(
+            finite_pos(self.scale_up_rps),
+            "placement.scale_up_rps",
+            "must be > 0",
+        )?;
+        check(
+            finite_nonneg(self.scale_down_rps) && self.scale_down_rps < self.scale_up_rps,
+            "placement.scale_down_rps",
+            "must be >= 0 and below placement.scale_up_rps",
+        )?;
+        check(
+            finite_nonneg(self.cooldown_s),
+            "placement.cooldown_s",
+            "must be >= 0",
+        )?;
+        check(
+            finite_nonneg(self.min_residency_s),
+            "placement.min_residency_s",
+            "must be >= 0",
+        )?;
+        check(
+            self.max_actions >= 1,
+            "placement.max_actions",
+            "must be at least 1",
+        )?;
+        check(
+            self.eviction_ratio.is_finite() && self.eviction_ratio >= 1.0,
+            "placement.eviction_ratio",
+            "must be >= 1",
+        )
     }
 }
 
@@ -418,6 +526,11 @@ impl RouterConfig {
             "must be 1..=4096",
         )?;
         check(
+            finite_nonneg(self.gie.lora_affinity_weight),
+            "gie.lora_affinity_weight",
+            "must be >= 0",
+        )?;
+        check(
             self.kubeai.replicas >= 1,
             "kubeai.replicas",
             "must be at least 1",
@@ -427,6 +540,7 @@ impl RouterConfig {
             "kubeai.load_factor",
             "must be >= 1",
         )?;
+        self.placement.validate()?;
         Ok(())
     }
 }

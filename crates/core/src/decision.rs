@@ -20,6 +20,9 @@ pub enum Exclusion {
     Saturated,
     /// It would have to swap adapters again within the cooldown (thrashing guard).
     AdapterCooldown,
+    /// A decode instance with more uncached prompt than `cost.local_prefill_max_tokens`, when
+    /// the request runs whole on a decode instance (selective disaggregation).
+    LocalPrefillTooLong,
 }
 
 /// The parts of a candidate's estimated time to first token, for the `cost` policy; baselines

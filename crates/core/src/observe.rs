@@ -70,6 +70,11 @@ pub enum Observation {
     Failed(RequestId),
     /// KV cache events from an instance (exact mode).
     KvEvents(InstanceId, Vec<KvEvent>),
+    /// An adapter was loaded onto an instance (e.g. by dynamic placement): it is registered
+    /// and resident there from now on.
+    AdapterLoaded(InstanceId, String),
+    /// An adapter was unloaded from an instance: no longer registered or resident there.
+    AdapterUnloaded(InstanceId, String),
 }
 
 /// An observation the router could not apply.

@@ -10,10 +10,11 @@ use thiserror::Error;
 use crate::config::{ConfigError, RouterConfig};
 use crate::decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan};
 use crate::exact::ExactIndex;
-use crate::fleet::{Fleet, Health, Instance, InstanceId, InstanceSpec, Learned};
+use crate::fleet::{Fleet, Health, Instance, InstanceId, InstanceSpec, Learned, Role};
+use crate::ladder::LoadLadder;
 use crate::observe::{Observation, ObserveError, Usage};
 use crate::policy::{self, Policy, ScoringContext, Stage, TieBreak};
-use crate::prefix::{chain_seed, prompt_block_hashes, BlockMatch, PrefixIndex};
+use crate::prefix::{chain_seed, prompt_block_hashes, BlockMatch, PrefixIndex, Slot};
 use crate::request::{Phase, RequestId, RouteRequest};
 
 /// Why a request could not be routed at all.
@@ -63,6 +64,10 @@ pub struct Router {
     hashes: Vec<u64>,
     matches: Vec<BlockMatch>,
     depth_by_slot: Vec<u32>,
+    /// Healthy instances by estimated wait, for shortlisting large pools.
+    ladder: LoadLadder,
+    /// Reused list of the slots a request is scored on.
+    slot_scratch: Vec<Slot>,
 }
 
 /// Moves `current` towards `sample` by `rate`.
@@ -92,6 +97,8 @@ impl Router {
             hashes: Vec::new(),
             matches: Vec::new(),
             depth_by_slot: Vec::new(),
+            ladder: LoadLadder::default(),
+            slot_scratch: Vec::new(),
         })
     }
 
@@ -163,19 +170,47 @@ impl Router {
 
     /// Routes one request: candidates ranked best first, with the reasons.
     pub fn route(&mut self, request: &RouteRequest<'_>, now: f64) -> Result<Decision, RouteError> {
-        let pool = self.fleet.serving(request.model);
-        if pool.is_empty() {
+        let pool_len = self.fleet.serving(request.model).len();
+        if pool_len == 0 {
             return Err(RouteError::UnknownModel(request.model.to_string()));
         }
         let prompt_bytes = request.prompt.rendered_len();
         let prompt_tokens = ((prompt_bytes as f64 / self.bytes_per_token).ceil() as u32).max(1);
 
+        // The prompt's holders first: a shortlist is built around them.
+        self.hashes.clear();
+        let uses_index = self.policy.uses_prefix_index();
+        if uses_index {
+            let seed = chain_seed(request.model, request.adapter, request.cache_salt);
+            prompt_block_hashes(
+                &request.prompt,
+                seed,
+                self.config.index.block_bytes,
+                &mut self.hashes,
+            );
+            self.lookup_depths();
+        }
+        let shortlist_len = self.config.cost.shortlist_len;
+        let mut slots = std::mem::take(&mut self.slot_scratch);
+        slots.clear();
+        // Adapter requests are scored on the whole pool: the ladder does not know residency.
+        if uses_index
+            && shortlist_len > 0
+            && pool_len > 2 * shortlist_len
+            && request.adapter.is_none()
+            && self.policy.scores_shortlist()
+        {
+            self.shortlist(request.model, shortlist_len, &mut slots);
+        } else {
+            slots.extend_from_slice(self.fleet.serving(request.model));
+        }
+
         // Which instances may take the request, and in which role.
-        let mut unified = Vec::with_capacity(pool.len());
+        let mut unified = Vec::with_capacity(slots.len());
         let mut prefill = Vec::new();
         let mut decode = Vec::new();
         let mut excluded = Vec::new();
-        for &slot in pool {
+        for &slot in &slots {
             let Some(instance) = self.fleet.by_slot(slot) else {
                 continue;
             };
@@ -206,6 +241,7 @@ impl Router {
                 crate::fleet::Role::Decode => decode.push(candidate(None)),
             }
         }
+        self.slot_scratch = slots;
         let saturated = unified.is_empty()
             && (prefill.is_empty() || decode.is_empty())
             && excluded
@@ -228,20 +264,31 @@ impl Router {
             (unified, Vec::new())
         };
 
-        self.hashes.clear();
-        if self.policy.uses_prefix_index() {
-            let seed = chain_seed(request.model, request.adapter, request.cache_salt);
-            prompt_block_hashes(
-                &request.prompt,
-                seed,
-                self.config.index.block_bytes,
-                &mut self.hashes,
-            );
-            self.fill_matches(&mut candidates, prompt_tokens, request.token_ids);
+        // Selective disaggregation: the decode instances are also scored as if they ran the
+        // request whole, and the cheaper of that and the hand-off wins.
+        let local_max = self.config.cost.local_prefill_max_tokens;
+        let mut local = if disaggregate && local_max > 0 && self.policy.prices_local_prefill() {
+            decode_candidates.clone()
         } else {
-            for c in candidates.iter_mut() {
+            Vec::new()
+        };
+
+        if uses_index {
+            self.apply_matches(&mut candidates, prompt_tokens, request.token_ids);
+            self.apply_matches(&mut decode_candidates, prompt_tokens, request.token_ids);
+            self.apply_matches(&mut local, prompt_tokens, request.token_ids);
+        } else {
+            for c in candidates.iter_mut().chain(local.iter_mut()) {
                 c.terms.uncached_tokens = prompt_tokens;
             }
+        }
+        let mut too_long = Vec::new();
+        if !local.is_empty() {
+            let (fit, over): (Vec<_>, Vec<_>) = local
+                .into_iter()
+                .partition(|c| c.terms.uncached_tokens <= local_max);
+            local = fit;
+            too_long = over;
         }
 
         let stage = if disaggregate {
@@ -260,12 +307,38 @@ impl Router {
         };
         self.policy.score(&ctx, &mut candidates, &mut self.rng);
         if disaggregate {
-            let ctx = ScoringContext {
+            let decode_ctx = ScoringContext {
                 stage: Stage::Decode,
                 ..ctx
             };
             self.policy
-                .score_decode(&ctx, &mut decode_candidates, &mut self.rng);
+                .score_decode(&decode_ctx, &mut decode_candidates, &mut self.rng);
+        }
+        if !local.is_empty() {
+            let local_ctx = ScoringContext {
+                stage: Stage::Unified,
+                ..ctx
+            };
+            self.policy.score(&local_ctx, &mut local, &mut self.rng);
+            let split = best_score(&candidates) + best_score(&decode_candidates);
+            if best_score(&local) <= split {
+                // Run it whole on a decode instance: the prefill instances cannot.
+                for c in candidates.drain(..) {
+                    excluded.push(Candidate {
+                        excluded: Some(Exclusion::WrongRole),
+                        ..c
+                    });
+                }
+                for c in too_long {
+                    excluded.push(Candidate {
+                        excluded: Some(Exclusion::LocalPrefillTooLong),
+                        score: f64::INFINITY,
+                        ..c
+                    });
+                }
+                candidates = local;
+                decode_candidates.clear();
+            }
         }
         let tie = self.policy.tie_break();
         let ranked_len = self.config.ranked_candidates;
@@ -301,20 +374,53 @@ impl Router {
         (over_in_flight || over_waiting).then_some(Exclusion::Saturated)
     }
 
-    /// Fills each candidate's matched blocks and predicted cached tokens from the index (exact
-    /// where the instance publishes KV events and the request carries token ids).
-    fn fill_matches(
-        &mut self,
-        candidates: &mut [Candidate],
-        prompt_tokens: u32,
-        token_ids: Option<&[u32]>,
-    ) {
+    /// Looks the prompt's block hashes up in the index: matched depth per slot.
+    fn lookup_depths(&mut self) {
         self.index.lookup(&self.hashes, &mut self.matches);
         self.depth_by_slot.clear();
         self.depth_by_slot.resize(self.fleet.slot_bound(), 0);
         for m in &self.matches {
             self.depth_by_slot[m.slot as usize] = m.blocks;
         }
+    }
+
+    /// The slots a large pool is scored on: every instance holding a prefix of the prompt, plus
+    /// the `len` least loaded healthy instances of each role that hold none of it.
+    fn shortlist(&self, model: &str, len: usize, out: &mut Vec<Slot>) {
+        let serves = |slot: Slot| self.fleet.by_slot(slot).is_some_and(|i| i.serves(model));
+        out.extend(
+            self.matches
+                .iter()
+                .filter(|m| m.blocks > 0 && serves(m.slot))
+                .map(|m| m.slot),
+        );
+        for role in [Role::Both, Role::Prefill, Role::Decode] {
+            let rest = self
+                .ladder
+                .least_loaded(role)
+                .filter(|&slot| self.depth_by_slot[slot as usize] == 0 && serves(slot))
+                .take(len);
+            out.extend(rest);
+        }
+    }
+
+    /// Moves an instance on the load ladder after its load, health or speed changed.
+    fn relevel(&mut self, id: InstanceId) {
+        if let Some(instance) = self.fleet.get(id) {
+            self.ladder
+                .update(instance, self.config.cost.decode_interference_weight);
+        }
+    }
+
+    /// Fills each candidate's matched blocks and predicted cached tokens from the last
+    /// [`Self::lookup_depths`] (exact where the instance publishes KV events and the request
+    /// carries token ids).
+    fn apply_matches(
+        &mut self,
+        candidates: &mut [Candidate],
+        prompt_tokens: u32,
+        token_ids: Option<&[u32]>,
+    ) {
         let tokens_per_block = self.config.index.block_bytes as f64 / self.bytes_per_token;
         // At least one prompt token is always computed, as engines do.
         let max_cached = prompt_tokens.saturating_sub(1);
@@ -348,6 +454,7 @@ impl Router {
                     .get_mut(id)
                     .ok_or(ObserveError::UnknownInstance(id))?;
                 instance.health = health;
+                self.relevel(id);
                 Ok(())
             }
             Observation::MetricsScraped(id, metrics) => {
@@ -369,6 +476,7 @@ impl Router {
                         self.index.set_capacity(id.slot, capacity);
                     }
                 }
+                self.relevel(id);
                 Ok(())
             }
             Observation::Routed {
@@ -379,6 +487,28 @@ impl Router {
             Observation::FirstToken(request) => self.on_first_token(request, now),
             Observation::Finished(request, usage) => self.on_end(request, usage, true, now),
             Observation::Failed(request) => self.on_end(request, None, false, now),
+            Observation::AdapterLoaded(id, adapter) => {
+                let instance = self
+                    .fleet
+                    .get_mut(id)
+                    .ok_or(ObserveError::UnknownInstance(id))?;
+                if !instance.spec.adapters.contains(&adapter) {
+                    instance.spec.adapters.push(adapter.clone());
+                }
+                let slots = instance.adapter_slots();
+                instance.adapters.touch(&adapter, slots, now);
+                instance.adapters.last_load_at = Some(now);
+                Ok(())
+            }
+            Observation::AdapterUnloaded(id, adapter) => {
+                let instance = self
+                    .fleet
+                    .get_mut(id)
+                    .ok_or(ObserveError::UnknownInstance(id))?;
+                instance.spec.adapters.retain(|a| *a != adapter);
+                instance.adapters.resident.retain(|a| *a != adapter);
+                Ok(())
+            }
             Observation::KvEvents(id, events) => {
                 self.fleet
                     .get(id)
@@ -412,6 +542,7 @@ impl Router {
         // Invariant: the instance was just added.
         let capacity = self.index_capacity(self.fleet.get(id).expect("just added"));
         self.index.set_capacity(id.slot, capacity);
+        self.relevel(id);
         Ok(id)
     }
 
@@ -421,6 +552,7 @@ impl Router {
             .ok_or(ObserveError::UnknownInstance(id))?;
         self.index.clear_slot(id.slot);
         self.exact.clear_slot(id.slot);
+        self.ladder.remove(id.slot);
         self.policy.forget_instance(id.slot);
         self.in_flight.retain(|_, r| r.instance != id);
         self.pending_inserts[id.slot as usize].clear();
@@ -474,9 +606,8 @@ impl Router {
         let pending_floor = pending.first().map(|&(seq, _)| seq);
         let pending_key = (self.index.current_seq() + 1, request.0);
         pending.insert(pending_key);
-        if !plan.is_decode_only {
-            self.index.insert(slot, &plan.block_hashes);
-        }
+        // A decode leg holds the prompt too once its KV has landed, so later turns can match it.
+        self.index.insert(slot, &plan.block_hashes);
         self.in_flight.insert(
             request,
             InFlight {
@@ -495,6 +626,7 @@ impl Router {
                 pending_key,
             },
         );
+        self.relevel(id);
         Ok(())
     }
 
@@ -527,6 +659,8 @@ impl Router {
             learned.prefill_tokens_per_s =
                 ewma(learned.prefill_tokens_per_s, sample, e.learning_rate);
         }
+        let id = record.instance;
+        self.relevel(id);
         Ok(())
     }
 
@@ -557,14 +691,17 @@ impl Router {
             Some(_) => instance.load.running_requests -= 1,
         }
         instance.load.kv_tokens -= record.kv_tokens;
+        if finished {
+            instance.learned.service_time_s = ewma(
+                instance.learned.service_time_s,
+                now - record.routed_at,
+                rate,
+            );
+        }
+        self.relevel(record.instance);
         if !finished {
             return Ok(());
         }
-        instance.learned.service_time_s = ewma(
-            instance.learned.service_time_s,
-            now - record.routed_at,
-            rate,
-        );
         let Some(usage) = usage else { return Ok(()) };
         if usage.prompt_tokens > 0 && record.prompt_bytes > 0 {
             let sample = record.prompt_bytes as f64 / f64::from(usage.prompt_tokens);
@@ -630,6 +767,15 @@ impl Router {
     pub fn learned(&self, id: InstanceId) -> Option<Learned> {
         self.fleet.get(id).map(|i| i.learned)
     }
+}
+
+/// The lowest score among eligible candidates (infinity if none).
+fn best_score(candidates: &[Candidate]) -> f64 {
+    candidates
+        .iter()
+        .filter(|c| c.excluded.is_none())
+        .map(|c| c.score)
+        .fold(f64::INFINITY, f64::min)
 }
 
 /// Orders eligible candidates first, the best `ranked_len` of them sorted by score with the tie

@@ -119,7 +119,14 @@ proptest! {
             prop_assert!(!(split && r.unified), "a unified request was split");
             for c in decision.eligible_candidates() {
                 prop_assert!(c.excluded.is_none());
-                check(c.instance, true, !split)?;
+                let i = ids.iter().position(|&x| x == c.instance).unwrap();
+                // A request run whole on a decode instance (selective disaggregation) prefills
+                // its own prompt there; no other prefill ever reaches a decode-only instance.
+                let whole_on_decode = !split && specs[i].role == Role::Decode;
+                if whole_on_decode {
+                    prop_assert!(!r.unified && policy == "cost", "whole request on a decode-only instance");
+                }
+                check(c.instance, !whole_on_decode, !split)?;
             }
             for c in &decision.decode[..decision.decode_eligible] {
                 check(c.instance, false, true)?;

@@ -261,9 +261,9 @@ fn disaggregated_pools_split_by_role() {
             ..InstanceSpec::new("d", "m")
         })
         .unwrap();
-    let decision = router
-        .route(&RouteRequest::text("m", "hello"), 0.0)
-        .unwrap();
+    // Long enough that running it whole on the decode instance is not an option.
+    let long = prompt("a long document. ", 8000, 0);
+    let decision = router.route(&RouteRequest::text("m", &long), 0.0).unwrap();
     assert!(decision.is_disaggregated());
     assert_eq!(decision.best(), Some(p));
     assert_eq!(decision.best_decode(), Some(d));

@@ -19,6 +19,18 @@
 //! `bootstrap_host:bootstrap_port` and pays the transfer time for the whole
 //! prompt; no bootstrap server is contacted or served, so the two halves are
 //! not synchronised (decode does not wait for the real prefill to finish).
+//!
+//! **Roles.** A decode-role instance serves an ordinary request (no
+//! `kv_transfer_params`, no bootstrap fields) whole, prefill included, as a
+//! vLLM decode instance does: a router that keeps short or mostly cached
+//! prompts on a decode instance (selective disaggregation) relies on it (the
+//! engine model's decode role accepts [`RequestMode::Normal`]). Everything else a role
+//! cannot serve is refused by the engine with 400 (`a prefill instance does
+//! not accept normal requests`, `a decode instance does not accept
+//! prefill-only requests`, ...): a prefill-only instance takes only prefill
+//! legs (`do_remote_decode`, or bootstrap fields), a decode-only instance
+//! never a prefill leg. Tests rely on that refusal to prove that a router
+//! never sends a leg to an instance of the wrong role.
 
 use serde_json::{json, Value};
 use switchyard_engine::{KvTransfer, RequestMode, Role};
@@ -242,6 +254,16 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.status.as_u16(), 400);
+    }
+
+    #[test]
+    fn a_plain_request_is_a_normal_one_on_every_role() {
+        for role in [Role::Both, Role::Prefill, Role::Decode] {
+            assert_eq!(
+                request_mode(&PdIntent::None, role, 40, 16),
+                RequestMode::Normal
+            );
+        }
     }
 
     #[test]

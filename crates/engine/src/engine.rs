@@ -500,6 +500,41 @@ mod tests {
     }
 
     #[test]
+    fn decode_role_runs_a_plain_request_whole() {
+        let cfg = EngineConfig {
+            role: Role::Decode,
+            ..small_config()
+        };
+        let p = cfg.profile.clone();
+        let mut e = Engine::new(cfg).unwrap();
+        let ev = drive(&mut e, vec![(1.0, Act::Submit(req(1, 1, 100, 3)))]);
+        // Prefilled locally: no transfer, nothing cached.
+        let t = 1.0 + p.step_base_s + p.chunk_time(0, 100);
+        match find(&ev, 1, "first") {
+            EngineEvent::FirstToken {
+                time,
+                cached_tokens,
+                ..
+            } => {
+                assert!(close(*time, t), "{time} vs {t}");
+                assert_eq!(*cached_tokens, 0);
+            }
+            _ => unreachable!(),
+        }
+        match find(&ev, 1, "finished") {
+            EngineEvent::Finished {
+                completion_tokens,
+                kv_transfer,
+                ..
+            } => {
+                assert_eq!(*completion_tokens, 3);
+                assert!(kv_transfer.is_none());
+            }
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
     fn decode_side_transfers_only_what_it_does_not_cache() {
         let cfg = EngineConfig {
             kv_bytes_per_token: 1000.0,

@@ -202,16 +202,37 @@ impl KvCache {
             return 0;
         }
         let mut n = 0;
+        let mut prev: Option<u32> = None;
         for &h in hashes.iter().take(max_blocks) {
-            match self.lookup(h) {
+            // A prefix's blocks were usually allocated as one run of the free
+            // queue, so a block's successor tends to sit next to it: check the
+            // neighbours (whose entries share its cache line) before probing
+            // the index, a likely cache and TLB miss. Same answer either way:
+            // a block holding `h` is the one block the index maps `h` to.
+            let found = prev
+                .and_then(|p| self.neighbour_holding(p, h))
+                .or_else(|| self.lookup(h));
+            match found {
                 Some(b) => {
                     out.push(b);
+                    prev = Some(b);
                     n += 1;
                 }
                 None => break,
             }
         }
         n
+    }
+
+    /// Block `p + 1` or `p - 1` if it caches `hash`.
+    fn neighbour_holding(&self, p: u32, hash: u64) -> Option<u32> {
+        let holds = |b: u32| self.blocks.get(b as usize).is_some_and(|x| x.hash == hash);
+        let up = p.wrapping_add(1);
+        if holds(up) {
+            return Some(up);
+        }
+        let down = p.wrapping_sub(1);
+        holds(down).then_some(down)
     }
 
     /// The block caching `hash`, if any.

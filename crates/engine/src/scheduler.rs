@@ -212,11 +212,13 @@ impl Scheduler {
         if prompt_len == 0 {
             return Err(SubmitError::EmptyPrompt);
         }
+        // A decode instance also runs plain requests whole, as vLLM's do: that is what lets a
+        // router skip the hand-off for short or mostly cached prompts (selective disaggregation).
         let role_ok = matches!(
             (self.role, &req.mode),
             (Role::Both, _)
                 | (Role::Prefill, RequestMode::PrefillOnly)
-                | (Role::Decode, RequestMode::DecodeAfterTransfer(_))
+                | (Role::Decode, RequestMode::DecodeAfterTransfer(_) | RequestMode::Normal)
         );
         if !role_ok {
             return Err(SubmitError::WrongRole {

@@ -91,6 +91,9 @@ pub struct BackendSpec {
     pub adapter_slots: Option<u32>,
     /// KV capacity in tokens, when known (engines that publish it override this).
     pub kv_capacity_tokens: Option<u64>,
+    /// SGLang disaggregation bootstrap port of a prefill server; setting it makes this
+    /// backend's prefill legs SGLang-style (see `pd::PdStyle`).
+    pub bootstrap_port: Option<u16>,
 }
 
 impl Default for BackendSpec {
@@ -106,6 +109,7 @@ impl Default for BackendSpec {
             kind: EngineKind::Auto,
             adapter_slots: None,
             kv_capacity_tokens: None,
+            bootstrap_port: None,
         }
     }
 }
@@ -195,7 +199,8 @@ impl BackendSpec {
     }
 
     /// Parses the `--backend` flag: `URL[,role=prefill|decode|both][,models=a+b]
-    /// [,adapters=x+y][,kind=vllm|sglang|llamacpp|trtllm|auto][,name=N][,weight=W]`.
+    /// [,adapters=x+y][,kind=vllm|sglang|llamacpp|trtllm|auto][,name=N][,weight=W]
+    /// [,adapter_slots=N][,bootstrap_port=P]`.
     pub fn parse_flag(flag: &str) -> Result<BackendSpec, SpecError> {
         let mut parts = flag.split(',');
         let address = parts.next().unwrap_or_default().trim().to_string();
@@ -244,9 +249,16 @@ impl BackendSpec {
                             .map_err(|_| bad(format!("adapter_slots `{value}`")))?,
                     )
                 }
+                "bootstrap_port" => {
+                    spec.bootstrap_port = Some(
+                        value
+                            .parse()
+                            .map_err(|_| bad(format!("bootstrap_port `{value}` is not a port")))?,
+                    )
+                }
                 other => {
                     return Err(bad(format!(
-                        "unknown option `{other}` (role, models, adapters, kind, name, weight, adapter_slots)"
+                        "unknown option `{other}` (role, models, adapters, kind, name, weight, adapter_slots, bootstrap_port)"
                     )))
                 }
             }
@@ -493,6 +505,9 @@ mod tests {
         assert_eq!(s.kind, EngineKind::Sglang);
         assert_eq!(s.name, "p1");
         assert_eq!(s.weight, 2.0);
+        assert_eq!(s.bootstrap_port, None);
+        let s = BackendSpec::parse_flag("127.0.0.1:8003,role=prefill,bootstrap_port=9000").unwrap();
+        assert_eq!(s.bootstrap_port, Some(9000));
         for bad in [
             "127.0.0.1",
             "https://h:1",
@@ -501,9 +516,25 @@ mod tests {
             "h:1,colour=red",
             "h:1,weight=0",
             "h:1,nokey",
+            "h:1,bootstrap_port=70000",
+            "h:1,bootstrap_port=x",
         ] {
             assert!(BackendSpec::parse_flag(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn bootstrap_port_in_fleet_files() {
+        let y: BackendSpec =
+            serde_norway::from_str("address: h:1\nrole: prefill\nbootstrap_port: 8998\n").unwrap();
+        assert_eq!((y.role, y.bootstrap_port), (Role::Prefill, Some(8998)));
+        let t: BackendSpec = toml::from_str("address = \"h:1\"\nbootstrap_port = 9001\n").unwrap();
+        assert_eq!(t.bootstrap_port, Some(9001));
+        let none: BackendSpec = serde_norway::from_str("address: h:1\n").unwrap();
+        assert_eq!(none.bootstrap_port, None);
+        assert!(
+            serde_norway::from_str::<BackendSpec>("address: h:1\nbootstrap_port: -1\n").is_err()
+        );
     }
 
     #[test]

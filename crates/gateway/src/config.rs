@@ -54,6 +54,12 @@ pub struct Settings {
     pub debug_header: bool,
     /// Ask engines for the usage chunk of streams the client did not ask usage for, and strip it.
     pub inject_usage: bool,
+    /// How disaggregated requests are handed from prefill to decode (a prefill backend's own
+    /// `bootstrap_port` makes it SGLang-style whatever this says).
+    pub pd_style: crate::pd::PdStyle,
+    /// LoRA adapter name -> path sent as `lora_path` to `/v1/load_lora_adapter`; dynamic
+    /// placement (`router.placement`) loads and unloads only these adapters.
+    pub lora_paths: std::collections::BTreeMap<String, String>,
 }
 
 impl Default for Settings {
@@ -79,6 +85,8 @@ impl Default for Settings {
             admin_token: None,
             debug_header: false,
             inject_usage: true,
+            pd_style: crate::pd::PdStyle::Nixl,
+            lora_paths: std::collections::BTreeMap::new(),
         }
     }
 }

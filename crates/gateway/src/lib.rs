@@ -10,7 +10,7 @@
 //! * backends are described in [`backends`] and [`config`], join and leave in [`fleet`]
 //!   (models found by [`discovery`], fleet file reloads in [`watch`]);
 //! * engines are scraped in [`scrape`] (Prometheus text parsed by [`promtext`]) and checked in
-//!   [`health`];
+//!   [`health`]; LoRA adapters are loaded and unloaded by demand in [`placement`];
 //! * HTTP routes are in [`server`] and [`admin`], errors in [`errors`], the gateway's own
 //!   metrics in [`metrics`]; the shared state and the router lock in [`state`].
 //!
@@ -27,6 +27,7 @@ pub mod health;
 pub mod metrics;
 pub mod parse;
 pub mod pd;
+pub mod placement;
 pub mod promtext;
 pub mod proxy;
 pub mod scrape;
@@ -82,6 +83,8 @@ pub struct RunningGateway {
     shutdown: Option<oneshot::Sender<()>>,
     task: JoinHandle<Result<(), GatewayError>>,
     _watcher: Option<watch::FleetWatcher>,
+    /// The dynamic adapter placement task, stopped at shutdown.
+    placement: Option<JoinHandle<()>>,
 }
 
 /// Builds the router, adds the configured backends, binds and starts serving.
@@ -134,12 +137,19 @@ pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
             .await
             .map_err(GatewayError::Serve)
     });
+    let placement = gw
+        .settings
+        .router
+        .placement
+        .enabled
+        .then(|| tokio::spawn(placement::run(gw.clone())));
     Ok(RunningGateway {
         addr,
         gateway: gw,
         shutdown: Some(tx),
         task,
         _watcher: watcher,
+        placement,
     })
 }
 
@@ -158,6 +168,7 @@ impl RunningGateway {
         }
         tracing::info!("shutting down: draining in-flight requests for up to {grace:?}");
         self.gateway.begin_shutdown();
+        self.stop_placement();
         if let Some(tx) = stop {
             let _ = tx.send(());
         }
@@ -174,6 +185,7 @@ impl RunningGateway {
     /// Shuts down now, waiting at most `grace` for in-flight responses.
     pub async fn shutdown_within(mut self, grace: Duration) -> Result<(), GatewayError> {
         self.gateway.begin_shutdown();
+        self.stop_placement();
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
@@ -184,6 +196,21 @@ impl RunningGateway {
                 Ok(())
             }
         }
+    }
+}
+
+impl RunningGateway {
+    /// Stops the placement task (an action in progress is abandoned; the engine finishes it).
+    fn stop_placement(&mut self) {
+        if let Some(task) = self.placement.take() {
+            task.abort();
+        }
+    }
+}
+
+impl Drop for RunningGateway {
+    fn drop(&mut self) {
+        self.stop_placement();
     }
 }
 

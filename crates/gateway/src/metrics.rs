@@ -10,6 +10,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 /// Labels `backend`, `outcome`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -41,6 +42,26 @@ pub struct ResultLabels {
 pub struct ResultLabel {
     /// Result.
     pub result: &'static str,
+}
+
+/// Labels `backend`, `adapter`, `action`, `outcome` (dynamic adapter placement).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PlacementLabels {
+    /// Backend name.
+    pub backend: String,
+    /// Adapter name.
+    pub adapter: String,
+    /// `load` or `unload`.
+    pub action: &'static str,
+    /// `ok` or `error`.
+    pub outcome: &'static str,
+}
+
+/// Label `adapter`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdapterLabel {
+    /// Adapter name.
+    pub adapter: String,
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -87,6 +108,12 @@ pub struct Metrics {
     scrapes: Family<ResultLabels, Counter>,
     health_checks: Family<ResultLabels, Counter>,
     reloads: Family<ResultLabel, Counter>,
+    placements: Family<PlacementLabels, Counter>,
+    /// Placement series created, to remove a leaving backend's.
+    placement_series: parking_lot::Mutex<Vec<PlacementLabels>>,
+    adapter_demand: Family<AdapterLabel, Gauge<f64, AtomicU64>>,
+    /// Adapters with a demand series.
+    demand_series: parking_lot::Mutex<Vec<String>>,
 }
 
 /// Handles for one backend's series.
@@ -253,8 +280,24 @@ impl Metrics {
             "Fleet file reloads by result (ok, error)",
             reloads.clone(),
         );
+        let placements = Family::<PlacementLabels, Counter>::default();
+        registry.register(
+            "switchyard_adapter_placements",
+            "Dynamic LoRA placement actions by backend, adapter, action (load, unload) and outcome (ok, error)",
+            placements.clone(),
+        );
+        let adapter_demand = Family::<AdapterLabel, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "switchyard_adapter_demand",
+            "Decayed request rate per LoRA adapter (requests/s) at the last placement plan",
+            adapter_demand.clone(),
+        );
         Metrics {
             registry,
+            placements,
+            placement_series: parking_lot::Mutex::new(Vec::new()),
+            adapter_demand,
+            demand_series: parking_lot::Mutex::new(Vec::new()),
             requests,
             attempts,
             retries,
@@ -353,6 +396,53 @@ impl Metrics {
         self.prompt_tokens.remove(&b);
         self.healthy.remove(&b);
         self.in_flight.remove(&b);
+        self.placement_series.lock().retain(|l| {
+            if l.backend == name {
+                self.placements.remove(l);
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// Counts a dynamic placement action (`action`: load, unload) and its outcome.
+    pub fn placement(&self, backend: &str, adapter: &str, action: &'static str, ok: bool) {
+        let labels = PlacementLabels {
+            backend: backend.to_string(),
+            adapter: adapter.to_string(),
+            action,
+            outcome: if ok { "ok" } else { "error" },
+        };
+        let mut series = self.placement_series.lock();
+        if !series.contains(&labels) {
+            series.push(labels.clone());
+        }
+        self.placements.get_or_create(&labels).inc();
+    }
+
+    /// Sets the demand gauges to `demand` (adapter, requests/s); adapters not listed are removed.
+    pub fn set_adapter_demand(&self, demand: &[(String, f64)]) {
+        let mut series = self.demand_series.lock();
+        series.retain(|adapter| {
+            let listed = demand.iter().any(|(a, _)| a == adapter);
+            if !listed {
+                self.adapter_demand.remove(&AdapterLabel {
+                    adapter: adapter.clone(),
+                });
+            }
+            listed
+        });
+        for (adapter, rate) in demand {
+            if !series.contains(adapter) {
+                series.push(adapter.clone());
+            }
+            self.adapter_demand
+                .get_or_create(&AdapterLabel {
+                    adapter: adapter.clone(),
+                })
+                .set(*rate);
+        }
     }
 
     /// Counts a request the gateway answered itself (`outcome` names the error code).
@@ -413,5 +503,28 @@ mod tests {
         assert!(text.contains("switchyard_ttft_seconds_count{backend=\"b1\"} 1"));
         m.forget_backend("b1");
         assert!(!m.render().contains("backend=\"b1\""));
+    }
+
+    #[test]
+    fn placement_series_are_counted_and_leave_with_their_backend() {
+        let m = Metrics::new();
+        m.placement("b1", "sql", "load", true);
+        m.placement("b1", "sql", "load", true);
+        m.placement("b2", "sql", "unload", false);
+        m.set_adapter_demand(&[("sql".into(), 2.5)]);
+        let text = m.render();
+        assert!(text.contains(
+            "switchyard_adapter_placements_total{backend=\"b1\",adapter=\"sql\",action=\"load\",outcome=\"ok\"} 2"
+        ));
+        assert!(text.contains(
+            "switchyard_adapter_placements_total{backend=\"b2\",adapter=\"sql\",action=\"unload\",outcome=\"error\"} 1"
+        ));
+        assert!(text.contains("switchyard_adapter_demand{adapter=\"sql\"} 2.5"));
+        m.forget_backend("b1");
+        m.set_adapter_demand(&[]);
+        let text = m.render();
+        assert!(!text.contains("backend=\"b1\""));
+        assert!(text.contains("backend=\"b2\""));
+        assert!(!text.contains("switchyard_adapter_demand{"));
     }
 }

@@ -33,6 +33,8 @@ pub struct Brain {
     pub leaving: HashSet<String>,
     /// Names the fleet file listed at its last load.
     pub from_file: HashSet<String>,
+    /// Dynamic adapter placement (`--dynamic-lora-placement`): demand and what it changed.
+    pub placement: Option<crate::placement::PlacementState>,
 }
 
 impl Brain {
@@ -46,6 +48,7 @@ impl Brain {
             pending: BTreeMap::new(),
             leaving: HashSet::new(),
             from_file: HashSet::new(),
+            placement: None,
         }
     }
 
@@ -77,8 +80,16 @@ impl Brain {
             }
         }
         self.leaving.remove(name);
+        if let Some(p) = self.placement.as_mut() {
+            p.forget_backend(name);
+        }
         self.rebuild_adapters();
         Some(backend)
+    }
+
+    /// Rebuilds the adapter -> base model map (after placement loaded or unloaded one).
+    pub fn refresh_adapters(&mut self) {
+        self.rebuild_adapters();
     }
 
     fn rebuild_adapters(&mut self) {
@@ -87,7 +98,15 @@ impl Brain {
             let Some(base) = b.spec.models.first() else {
                 continue;
             };
-            for a in &b.spec.adapters {
+            let placed;
+            let adapters = match &self.placement {
+                Some(p) => {
+                    placed = p.adapters_of(b);
+                    &placed
+                }
+                None => &b.spec.adapters,
+            };
+            for a in adapters {
                 self.adapters
                     .entry(a.clone())
                     .or_insert_with(|| base.clone());
@@ -125,6 +144,12 @@ impl Brain {
     /// Applies an observation; errors (an instance or request the router no longer knows,
     /// after a removal) are expected and only logged.
     pub fn observe(&mut self, observation: Observation, now: f64) {
+        if let (Some(p), Observation::Routed { plan, .. }) = (self.placement.as_mut(), &observation)
+        {
+            if let (Some(adapter), false) = (&plan.adapter, plan.is_decode_only) {
+                p.record(adapter, now);
+            }
+        }
         if let Err(e) = self.router.observe(observation, now) {
             tracing::debug!("observation not applied: {e}");
         }
@@ -170,8 +195,14 @@ impl Gateway {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos() ^ (d.as_secs() as u32))
             .unwrap_or(0);
+        let mut brain = Brain::new(router);
+        if settings.router.placement.enabled {
+            brain.placement = Some(crate::placement::PlacementState::new(
+                settings.router.placement.clone(),
+            ));
+        }
         Arc::new(Gateway {
-            brain: Mutex::new(Brain::new(router)),
+            brain: Mutex::new(brain),
             upstream: Upstream::new(settings.connect_timeout),
             metrics: Metrics::new(),
             admission: Admission::default(),

@@ -348,6 +348,8 @@ pub enum Fake {
     KeepAliveLiar,
     /// Answers 200 JSON (`{"object":"ok","path":...}`) and keeps the connection.
     Ok,
+    /// Generation requests are read and never answered (health passes).
+    Hang,
 }
 
 /// A fake engine on an ephemeral port; counts the generation requests it saw.
@@ -447,6 +449,11 @@ impl FakeEngine {
                                 true,
                             ),
                             (Fake::Drop, false) => return,
+                            (Fake::Hang, false) => {
+                                // Hold the connection open without answering.
+                                std::future::pending::<()>().await;
+                                return;
+                            }
                             (Fake::KeepAliveLiar, false) => {
                                 let body = r#"{"object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,"prompt_tokens_details":{"cached_tokens":0}}}"#;
                                 // Says keep-alive, but will close instead of answering the next
@@ -479,4 +486,123 @@ impl FakeEngine {
     pub fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
     }
+}
+
+/// Reads one request (head and content-length body); its request line and body, or None at EOF.
+async fn read_request_body(
+    s: &mut tokio::net::TcpStream,
+    buf: &mut Vec<u8>,
+) -> Option<(String, Vec<u8>)> {
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_string();
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse::<usize>().ok())?
+                })
+                .unwrap_or(0);
+            let total = end + 4 + len;
+            while buf.len() < total {
+                let mut chunk = [0u8; 8192];
+                let n = s.read(&mut chunk).await.ok()?;
+                if n == 0 {
+                    return None;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            let body = buf[end + 4..total].to_vec();
+            buf.drain(..total);
+            return Some((head.lines().next().unwrap_or_default().to_string(), body));
+        }
+        let mut chunk = [0u8; 8192];
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// A fake engine that records the JSON body of every generation request and answers it with a
+/// plain (non-streamed) completion naming itself, with usage and a NixlConnector-style
+/// `kv_transfer_params` hand-off (`remote_engine_id` = its name).
+pub struct Recorder {
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+    bodies: Arc<std::sync::Mutex<Vec<Value>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Recorder {
+    /// Starts a recorder answering as `name` (inside a tokio runtime).
+    pub async fn start(name: &str) -> Recorder {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let base = format!("http://{}", listener.local_addr().expect("addr"));
+        let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = bodies.clone();
+        let name = name.to_string();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    return;
+                };
+                let seen = seen.clone();
+                let name = name.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    while let Some((line, body)) = read_request_body(&mut s, &mut buf).await {
+                        let probe = line.contains(" /health") || line.contains(" /metrics");
+                        let out = if probe {
+                            response("200 OK", "", true)
+                        } else {
+                            let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                            seen.lock().expect("lock").push(v);
+                            let answer = serde_json::json!({
+                                "id": format!("cmpl-{name}"),
+                                "object": "text_completion",
+                                "model": MODEL,
+                                "choices": [{"index": 0, "text": name, "finish_reason": "length"}],
+                                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
+                                          "prompt_tokens_details": {"cached_tokens": 0}},
+                                "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false,
+                                    "remote_engine_id": name, "remote_block_ids": [0],
+                                    "remote_request_id": "r", "remote_host": "127.0.0.1",
+                                    "remote_port": 1, "tp_size": 1},
+                            });
+                            response("200 OK", &answer.to_string(), true)
+                        };
+                        if s.write_all(&out).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Recorder { base, bodies, task }
+    }
+
+    /// The generation request bodies received so far.
+    pub fn bodies(&self) -> Vec<Value> {
+        self.bodies.lock().expect("lock").clone()
+    }
+
+    /// `--backend` value with `extra` options appended (e.g. `,role=prefill`).
+    pub fn backend(&self, extra: &str) -> String {
+        format!("{},models={MODEL}{extra}", self.base)
+    }
+}
+
+/// A loopback port with nothing listening on it (connections are refused).
+pub fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
 }

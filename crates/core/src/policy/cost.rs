@@ -118,9 +118,12 @@ pub fn decode_terms(
 ) -> CostTerms {
     let cost = &ctx.config.cost;
     let view = load_view(ctx, instance);
+    // What the decode instance already holds (an earlier turn landed there) is not moved.
+    let held = f64::from(terms.cached_tokens) * instance.learned.cache_trust;
     terms.cached_tokens = 0;
     terms.uncached_tokens = 0;
-    terms.transfer_s = f64::from(ctx.prompt_tokens) * cost.kv_transfer_s_per_token;
+    terms.transfer_s =
+        (f64::from(ctx.prompt_tokens) - held).max(0.0) * cost.kv_transfer_s_per_token;
     terms.wait_s = slot_wait_s(instance, view.in_system);
     terms.adapter_s = adapter_s(ctx, instance);
     // A decode joins the batch: every running sequence's step gets a little longer.
@@ -204,6 +207,16 @@ impl Policy for CostPolicy {
         }
         guard_adapter_swaps(ctx, candidates);
         near_ties_to_random(ctx, candidates, rng);
+    }
+
+    fn prices_local_prefill(&self) -> bool {
+        true
+    }
+
+    fn scores_shortlist(&self) -> bool {
+        // Every instance outside the shortlist holds none of the prompt and waits at least as
+        // long as the shortlisted non-holders (by the ladder's estimate).
+        true
     }
 
     fn score_decode(

@@ -16,6 +16,7 @@ mod baselines;
 mod cost;
 mod dynamo;
 mod gie;
+mod gie_lora;
 mod kubeai;
 mod routed_prefixes;
 mod sglang;
@@ -32,6 +33,7 @@ pub const POLICY_NAMES: &[&str] = &[
     "sglang-cache-aware",
     "dynamo-kv",
     "gie",
+    "gie-lora",
     "kubeai-chwbl",
 ];
 
@@ -117,6 +119,19 @@ pub trait Policy: Send {
         }
     }
 
+    /// Whether the policy prices running a request whole on a decode instance against the
+    /// prefill/decode hand-off (selective disaggregation); routers that always split do not.
+    fn prices_local_prefill(&self) -> bool {
+        false
+    }
+
+    /// Whether the policy may be given a shortlist of a large pool (prefix holders plus the
+    /// least loaded) instead of every instance; policies that sample or cycle over the whole
+    /// pool may not.
+    fn scores_shortlist(&self) -> bool {
+        false
+    }
+
     /// Drops whatever the policy keeps about an instance that left.
     fn forget_instance(&mut self, _slot: Slot) {}
 }
@@ -132,6 +147,7 @@ pub fn by_name(name: &str, config: &RouterConfig) -> Option<Box<dyn Policy>> {
         "sglang-cache-aware" => Box::new(sglang::SglangCacheAware::new(config.sglang.clone())),
         "dynamo-kv" => Box::new(dynamo::DynamoKv::new(config.dynamo.clone())),
         "gie" => Box::new(gie::Gie::new(config.gie.clone())),
+        "gie-lora" => Box::new(gie_lora::GieLora::new(config.gie.clone())),
         "kubeai-chwbl" => Box::new(kubeai::KubeAiChwbl::new(config.kubeai.clone())),
         _ => return None,
     })

@@ -1,0 +1,160 @@
+//! The load ladder: healthy instances of each role ordered by estimated wait, so that a large
+//! pool can be scored on a shortlist (the prompt's prefix holders plus the least loaded) instead
+//! of instance by instance.
+//!
+//! The order is an estimate kept up to date as observations arrive; the policy still scores
+//! every shortlisted candidate exactly. What the ladder can get wrong is only which non-holders
+//! are scored, and it orders them by the same quantities the `cost` policy charges for.
+
+use std::collections::BTreeSet;
+
+use crate::fleet::{Health, Instance, Role};
+use crate::prefix::Slot;
+
+/// Instances ordered by estimated wait, one ladder per role.
+#[derive(Debug, Default)]
+pub(crate) struct LoadLadder {
+    /// Per role (both, prefill, decode): (wait key, slot), least loaded first.
+    rungs: [BTreeSet<(u64, Slot)>; 3],
+    /// Per slot, its current entry (role index, key), if on a ladder.
+    entry: Vec<Option<(usize, u64)>>,
+}
+
+fn role_index(role: Role) -> usize {
+    match role {
+        Role::Both => 0,
+        Role::Prefill => 1,
+        Role::Decode => 2,
+    }
+}
+
+/// Estimated wait of a new request on `instance` in nanoseconds: queued prefill work plus the
+/// stall its prefill would inflict on the running batch (the `cost` policy's decode penalty,
+/// with the instance's mean uncached prompt standing in for the request's).
+fn wait_key(instance: &Instance, decode_interference_weight: f64) -> u64 {
+    let load = &instance.load;
+    let learned = &instance.learned;
+    let (engine_pending, engine_running) = instance.engine.as_ref().map_or((0.0, 0), |(m, _)| {
+        (
+            f64::from(m.waiting) * learned.mean_uncached_tokens,
+            m.running,
+        )
+    });
+    let pending = (load.pending_tokens as f64).max(engine_pending);
+    let running = f64::from(load.running_requests.max(engine_running));
+    let speed = learned.prefill_tokens_per_s.max(1.0);
+    let wait_s = pending / speed
+        + decode_interference_weight * running * learned.mean_uncached_tokens / speed;
+    // In-flight requests break ties, so idle-looking instances with queued work sort later.
+    (wait_s * 1e9) as u64 + u64::from(load.in_flight())
+}
+
+impl LoadLadder {
+    /// Puts `instance` on its rung with its current load (off the ladder unless healthy).
+    pub(crate) fn update(&mut self, instance: &Instance, decode_interference_weight: f64) {
+        let slot = instance.id.slot;
+        let next = (instance.health == Health::Healthy).then(|| {
+            (
+                role_index(instance.spec.role),
+                wait_key(instance, decode_interference_weight),
+            )
+        });
+        let index = slot as usize;
+        if self.entry.len() <= index {
+            self.entry.resize(index + 1, None);
+        }
+        if self.entry[index] == next {
+            return;
+        }
+        if let Some((role, key)) = self.entry[index] {
+            self.rungs[role].remove(&(key, slot));
+        }
+        if let Some((role, key)) = next {
+            self.rungs[role].insert((key, slot));
+        }
+        self.entry[index] = next;
+    }
+
+    /// Takes `slot` off the ladder (the instance left).
+    pub(crate) fn remove(&mut self, slot: Slot) {
+        if let Some(entry) = self.entry.get_mut(slot as usize) {
+            if let Some((role, key)) = entry.take() {
+                self.rungs[role].remove(&(key, slot));
+            }
+        }
+    }
+
+    /// Slots of one role, least loaded first.
+    pub(crate) fn least_loaded(&self, role: Role) -> impl Iterator<Item = Slot> + '_ {
+        self.rungs[role_index(role)].iter().map(|&(_, slot)| slot)
+    }
+
+    /// Instances on the ladder.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.rungs.iter().map(BTreeSet::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::{Fleet, InstanceSpec, Learned};
+
+    fn learned() -> Learned {
+        Learned {
+            prefill_tokens_per_s: 10_000.0,
+            service_time_s: 10.0,
+            cache_trust: 1.0,
+            mean_uncached_tokens: 1000.0,
+        }
+    }
+
+    #[test]
+    fn orders_by_queued_work_and_follows_updates_and_health() {
+        let mut fleet = Fleet::default();
+        let ids: Vec<_> = (0..3)
+            .map(|i| {
+                fleet
+                    .add(InstanceSpec::new(format!("i{i}"), "m"), learned())
+                    .unwrap()
+            })
+            .collect();
+        let mut ladder = LoadLadder::default();
+        for (n, id) in ids.iter().enumerate() {
+            let instance = fleet.get_mut(*id).unwrap();
+            instance.load.pending_tokens = 1000 * (3 - n as u64);
+            ladder.update(fleet.get(*id).unwrap(), 0.03);
+        }
+        let order: Vec<Slot> = ladder.least_loaded(Role::Both).collect();
+        assert_eq!(order, vec![ids[2].slot, ids[1].slot, ids[0].slot]);
+        // The busiest becomes idle: it moves to the front, and is never listed twice.
+        fleet.get_mut(ids[0]).unwrap().load.pending_tokens = 0;
+        ladder.update(fleet.get(ids[0]).unwrap(), 0.03);
+        let order: Vec<Slot> = ladder.least_loaded(Role::Both).collect();
+        assert_eq!(order, vec![ids[0].slot, ids[2].slot, ids[1].slot]);
+        // Unhealthy instances are off the ladder until healthy again.
+        fleet.get_mut(ids[2]).unwrap().health = Health::Unhealthy;
+        ladder.update(fleet.get(ids[2]).unwrap(), 0.03);
+        assert_eq!(ladder.len(), 2);
+        ladder.remove(ids[1].slot);
+        let order: Vec<Slot> = ladder.least_loaded(Role::Both).collect();
+        assert_eq!(order, vec![ids[0].slot]);
+        assert_eq!(ladder.least_loaded(Role::Decode).count(), 0);
+    }
+
+    #[test]
+    fn running_batches_count_as_wait() {
+        let mut fleet = Fleet::default();
+        let a = fleet.add(InstanceSpec::new("a", "m"), learned()).unwrap();
+        let b = fleet.add(InstanceSpec::new("b", "m"), learned()).unwrap();
+        fleet.get_mut(a).unwrap().load.running_requests = 50;
+        fleet.get_mut(b).unwrap().load.pending_tokens = 100;
+        let mut ladder = LoadLadder::default();
+        ladder.update(fleet.get(a).unwrap(), 0.03);
+        ladder.update(fleet.get(b).unwrap(), 0.03);
+        // 50 × 0.03 × 1000 tokens of stall outweighs 100 tokens queued.
+        let order: Vec<Slot> = ladder.least_loaded(Role::Both).collect();
+        assert_eq!(order, vec![b.slot, a.slot]);
+    }
+}

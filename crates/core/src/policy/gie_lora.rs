@@ -1,0 +1,205 @@
+//! Modelled on the Gateway API Inference Extension's endpoint picker with its
+//! `lora-affinity-scorer` added to the default profile (kubernetes-sigs/gateway-api-inference-extension,
+//! `pkg/epp/scheduling/framework/plugins/loraaffinityscorer/lora_affinity.go`).
+//!
+//! The queue, KV-cache and prefix scorers are those of the `gie` baseline (weights 2, 2 and 3);
+//! the LoRA affinity scorer adds `gie.lora_affinity_weight` × its score, read from the last
+//! scrape of `vllm:lora_requests_info` exactly as the extension reads it:
+//!
+//! - 1.0 when the adapter is *active* on the pod (in `running_lora_adapters`: a running request
+//!   uses it);
+//! - 0.8 when the pod has room to load one more adapter: active + waiting adapters (the two
+//!   lists' lengths, added as the extension adds them) < `max_lora`;
+//! - 0.6 when the adapter is only *waiting* there (in `waiting_lora_adapters`);
+//! - 0 otherwise.
+//!
+//! The extension compares the request's target model with those lists, so a base-model request
+//! scores 0.8 or 0 by free capacity alone; that is kept. An instance without fresh metrics has
+//! empty lists and its configured slots. Max score wins, ties at random; the prefix LRU records
+//! the pick, as in the extension.
+
+use rand::rngs::SmallRng;
+use rand::Rng;
+
+use super::routed_prefixes::RoutedPrefixes;
+use super::{Policy, ScoringContext, TieBreak};
+use crate::config::GieConfig;
+use crate::decision::Candidate;
+use crate::fleet::Instance;
+use crate::prefix::Slot;
+
+/// Score for the adapter being active (a running request uses it).
+pub const LORA_ACTIVE: f64 = 1.0;
+/// Score for a free adapter slot.
+pub const LORA_FREE_SLOT: f64 = 0.8;
+/// Score for the adapter only waiting (queued) on the instance.
+pub const LORA_WAITING: f64 = 0.6;
+
+/// The GIE default profile plus the LoRA affinity scorer, with its own prefix LRU.
+pub struct GieLora {
+    config: GieConfig,
+    prefix: RoutedPrefixes,
+}
+
+impl GieLora {
+    /// With the given weights.
+    pub fn new(config: GieConfig) -> Self {
+        let prefix = RoutedPrefixes::new(config.block_chars, config.lru_capacity_per_server);
+        GieLora { config, prefix }
+    }
+}
+
+/// The lora-affinity scorer's value for `target` (the adapter, or the model for a base-model
+/// request) on `instance`, from metrics scraped within `stale_after` seconds.
+pub fn lora_affinity(instance: &Instance, target: &str, now: f64, stale_after: f64) -> f64 {
+    let metrics = instance.fresh_metrics(now, stale_after);
+    let (active, waiting, max) = match metrics {
+        Some(m) => (
+            m.running_adapters.as_slice(),
+            m.waiting_adapters.as_slice(),
+            m.max_adapters.unwrap_or(instance.spec.adapter_slots),
+        ),
+        None => (&[][..], &[][..], instance.adapter_slots()),
+    };
+    let is_active = active.iter().any(|a| a == target);
+    let is_waiting = waiting.iter().any(|a| a == target);
+    if is_active {
+        LORA_ACTIVE
+    } else if active.len() + waiting.len() < max as usize {
+        LORA_FREE_SLOT
+    } else if is_waiting {
+        LORA_WAITING
+    } else {
+        0.0
+    }
+}
+
+impl Policy for GieLora {
+    fn name(&self) -> &'static str {
+        "gie-lora"
+    }
+
+    fn uses_prefix_index(&self) -> bool {
+        false
+    }
+
+    fn tie_break(&self) -> TieBreak {
+        TieBreak::First
+    }
+
+    fn score(
+        &mut self,
+        ctx: &ScoringContext<'_>,
+        candidates: &mut [Candidate],
+        rng: &mut SmallRng,
+    ) {
+        if candidates.is_empty() {
+            return;
+        }
+        let stale = ctx.config.estimates.metrics_stale_after_s;
+        let target = ctx.request.adapter.unwrap_or(ctx.request.model);
+        self.prefix.hash(ctx);
+        self.prefix.lookup(ctx);
+        let metrics: Vec<(f64, f64)> = candidates
+            .iter()
+            .map(|c| {
+                ctx.instance(c)
+                    .fresh_metrics(ctx.now, stale)
+                    .map_or((0.0, 0.0), |m| {
+                        (f64::from(m.waiting), m.kv_usage.unwrap_or(0.0))
+                    })
+            })
+            .collect();
+        let max_q = metrics.iter().map(|m| m.0).fold(f64::MIN, f64::max);
+        let min_q = metrics.iter().map(|m| m.0).fold(f64::MAX, f64::min);
+        let total_blocks = self.prefix.prompt_blocks().max(1) as f64;
+        let mut best = f64::MIN;
+        for (c, (queue, kv)) in candidates.iter_mut().zip(&metrics) {
+            let queue_score = if max_q > min_q {
+                (max_q - queue) / (max_q - min_q)
+            } else {
+                1.0
+            };
+            let kv_score = 1.0 - kv.clamp(0.0, 1.0);
+            let held = self.prefix.depth(c.instance.slot);
+            let prefix_score = f64::from(held) / total_blocks;
+            let lora_score = lora_affinity(ctx.instance(c), target, ctx.now, stale);
+            let total = self.config.queue_weight * queue_score
+                + self.config.kv_cache_weight * kv_score
+                + self.config.prefix_weight * prefix_score
+                + self.config.lora_affinity_weight * lora_score;
+            c.terms.matched_blocks = held;
+            c.score = -total;
+            best = best.max(total);
+        }
+        // The max-score picker: uniform among the top scores.
+        let top: Vec<usize> = (0..candidates.len())
+            .filter(|&i| -candidates[i].score >= best)
+            .collect();
+        let pick = top[rng.random_range(0..top.len())];
+        candidates[pick].score -= 1e-9;
+        self.prefix.record(candidates[pick].instance.slot);
+    }
+
+    fn forget_instance(&mut self, slot: Slot) {
+        self.prefix.forget(slot);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::{EngineMetrics, Fleet, InstanceSpec, Learned};
+
+    fn instance(slots: u32, metrics: Option<EngineMetrics>) -> Instance {
+        let mut fleet = Fleet::default();
+        let spec = InstanceSpec {
+            adapter_slots: slots,
+            ..InstanceSpec::new("i", "m")
+        };
+        let learned = Learned {
+            prefill_tokens_per_s: 1000.0,
+            service_time_s: 1.0,
+            cache_trust: 1.0,
+            mean_uncached_tokens: 100.0,
+        };
+        let id = fleet.add(spec, learned).unwrap();
+        let mut i = fleet.remove(id).unwrap();
+        i.engine = metrics.map(|m| (m, 0.0));
+        i
+    }
+
+    fn lists(running: &[&str], waiting: &[&str], max: u32) -> EngineMetrics {
+        EngineMetrics {
+            running_adapters: running.iter().map(|s| s.to_string()).collect(),
+            waiting_adapters: waiting.iter().map(|s| s.to_string()).collect(),
+            max_adapters: Some(max),
+            ..Default::default()
+        }
+    }
+
+    /// The cases of the extension's own scorer test, same expectations.
+    #[test]
+    fn matches_the_extension_scorer_cases() {
+        let score = |m: EngineMetrics| lora_affinity(&instance(1, Some(m)), "a1", 0.0, 5.0);
+        assert_eq!(score(lists(&["a1"], &[], 5)), 1.0);
+        assert_eq!(score(lists(&["a2"], &["a1"], 2)), 0.6);
+        assert_eq!(score(lists(&["a2"], &["a3"], 2)), 0.0);
+        assert_eq!(score(lists(&[], &[], 0)), 0.0);
+        assert_eq!(score(lists(&["a2"], &["a1"], 5)), 0.8);
+        assert_eq!(score(lists(&["a2"], &[], 2)), 0.8);
+        assert_eq!(score(lists(&["a3"], &["a1"], 2)), 0.6);
+        assert_eq!(score(lists(&["a4", "a5"], &[], 2)), 0.0);
+    }
+
+    #[test]
+    fn stale_or_missing_metrics_mean_empty_lists_and_configured_slots() {
+        assert_eq!(lora_affinity(&instance(2, None), "a1", 0.0, 5.0), 0.8);
+        let full = lists(&["a1"], &[], 1);
+        assert_eq!(
+            lora_affinity(&instance(1, Some(full)), "a1", 10.0, 5.0),
+            0.8
+        );
+        assert_eq!(lora_affinity(&instance(0, None), "a1", 0.0, 5.0), 0.0);
+    }
+}

@@ -1,0 +1,153 @@
+//! Selective disaggregation: a request runs whole on a decode instance when its uncached prompt
+//! there is short and that is cheaper than the prefill/decode hand-off.
+
+use switchyard_core::{
+    Exclusion, InstanceId, InstanceSpec, Observation, RequestId, Role, RouteRequest, Router,
+    RouterConfig,
+};
+
+/// One prefill and two decode instances behind a router with the given local-prefill limit.
+fn pd_router(local_prefill_max_tokens: u32) -> (Router, InstanceId, [InstanceId; 2]) {
+    let mut config = RouterConfig::default();
+    config.cost.local_prefill_max_tokens = local_prefill_max_tokens;
+    let mut router = Router::new(config).unwrap();
+    let spec = |name: &str, role| InstanceSpec {
+        role,
+        ..InstanceSpec::new(name, "m")
+    };
+    let p = router.add_instance(spec("p", Role::Prefill)).unwrap();
+    let d0 = router.add_instance(spec("d0", Role::Decode)).unwrap();
+    let d1 = router.add_instance(spec("d1", Role::Decode)).unwrap();
+    (router, p, [d0, d1])
+}
+
+/// About `tokens` tokens of text, distinct per `seed`.
+fn text(tokens: usize, seed: u64) -> String {
+    let mut s = String::new();
+    let mut i = 0u64;
+    while s.len() < tokens * 4 {
+        s.push_str(&format!("w{seed}x{i} "));
+        i += 1;
+    }
+    s.truncate(tokens * 4);
+    s
+}
+
+/// Records a routed request at `instance` (decode leg when `decode_leg`) and finishes it.
+fn serve(router: &mut Router, id: u64, decision: &switchyard_core::Decision, now: f64) {
+    let mut legs = vec![decision.best().unwrap()];
+    legs.extend(decision.best_decode());
+    for (n, instance) in legs.into_iter().enumerate() {
+        let request = RequestId(id * 2 + n as u64);
+        let plan = decision.plan_for(instance);
+        router
+            .observe(
+                Observation::Routed {
+                    request,
+                    instance,
+                    plan,
+                },
+                now,
+            )
+            .unwrap();
+        router
+            // About the prior prefill speed, so that nothing learns an unrealistic one.
+            .observe(Observation::FirstToken(request), now + 0.3)
+            .unwrap();
+        router
+            .observe(Observation::Finished(request, None), now + 1.0)
+            .unwrap();
+    }
+}
+
+#[test]
+fn a_short_prompt_runs_whole_on_a_decode_instance() {
+    let (mut router, p, d) = pd_router(2048);
+    let decision = router
+        .route(&RouteRequest::text("m", &text(200, 1)), 0.0)
+        .unwrap();
+    assert!(!decision.is_disaggregated(), "{}", decision.explain(5));
+    let best = decision.best().unwrap();
+    assert!(d.contains(&best));
+    // The prefill instance cannot run it whole, and says so.
+    assert_eq!(
+        decision.candidate(p).unwrap().excluded,
+        Some(Exclusion::WrongRole)
+    );
+    assert!(decision.decode.is_empty());
+}
+
+#[test]
+fn a_long_uncached_prompt_is_handed_off() {
+    let (mut router, p, d) = pd_router(2048);
+    let decision = router
+        .route(&RouteRequest::text("m", &text(6000, 2)), 0.0)
+        .unwrap();
+    assert!(decision.is_disaggregated());
+    assert_eq!(decision.best(), Some(p));
+    assert!(d.contains(&decision.best_decode().unwrap()));
+}
+
+#[test]
+fn zero_limit_always_hands_off() {
+    let (mut router, p, _) = pd_router(0);
+    let decision = router
+        .route(&RouteRequest::text("m", &text(50, 3)), 0.0)
+        .unwrap();
+    assert!(decision.is_disaggregated());
+    assert_eq!(decision.best(), Some(p));
+}
+
+#[test]
+fn a_next_turn_mostly_held_by_its_decode_instance_stays_there() {
+    let (mut router, p, _) = pd_router(2048);
+    // Turn one: long, so it is handed off; its KV lands on the decode instance.
+    let first = text(6000, 4);
+    let decision = router.route(&RouteRequest::text("m", &first), 0.0).unwrap();
+    assert_eq!(decision.best(), Some(p));
+    let holder = decision.best_decode().unwrap();
+    serve(&mut router, 1, &decision, 0.0);
+    // Turn two: the whole conversation plus a short new message.
+    let second = format!("{first}{}", text(300, 5));
+    let decision = router
+        .route(&RouteRequest::text("m", &second), 10.0)
+        .unwrap();
+    assert!(!decision.is_disaggregated(), "{}", decision.explain(5));
+    assert_eq!(decision.best(), Some(holder));
+    let c = decision.candidate(holder).unwrap();
+    assert!(c.terms.cached_tokens > 5000, "{:?}", c.terms);
+    // The other decode instance holds nothing: too much to prefill there.
+    let other = decision
+        .candidates
+        .iter()
+        .find(|c| c.instance != holder && c.instance != p)
+        .unwrap();
+    assert_eq!(other.excluded, Some(Exclusion::LocalPrefillTooLong));
+}
+
+#[test]
+fn baselines_always_hand_off() {
+    let mut config = RouterConfig {
+        policy: "least-load".into(),
+        ..Default::default()
+    };
+    config.cost.local_prefill_max_tokens = 100_000;
+    let mut router = Router::new(config).unwrap();
+    let p = router
+        .add_instance(InstanceSpec {
+            role: Role::Prefill,
+            ..InstanceSpec::new("p", "m")
+        })
+        .unwrap();
+    router
+        .add_instance(InstanceSpec {
+            role: Role::Decode,
+            ..InstanceSpec::new("d", "m")
+        })
+        .unwrap();
+    let decision = router
+        .route(&RouteRequest::text("m", &text(50, 6)), 0.0)
+        .unwrap();
+    assert!(decision.is_disaggregated());
+    assert_eq!(decision.best(), Some(p));
+}
