@@ -33,7 +33,8 @@
 #   ("mooncake shared"); LOADS ("moderate saturation"); MOONCAKE_MODERATE / MOONCAKE_SATURATION
 #   (trace rate scales); SHARED_MODERATE / SHARED_SATURATION (requests/s); SEED (1);
 #   OVERHEAD (1: run the overhead table); CALIBRATE (0; 1: only the saturation scan, see
-#   below); CAL_MOONCAKE / CAL_SHARED (rates scanned); OUT (results directory);
+#   below); CAL_MOONCAKE / CAL_SHARED (loads scanned); OUT (results directory, default
+#   /tmp/switchyard-peers-DATE);
 #   CACHE (~/.cache/switchyard-bench: the venv); SY (a switchyard binary to use instead of
 #   building one).
 set -euo pipefail
@@ -53,9 +54,9 @@ SEED=${SEED:-1}
 OVERHEAD=${OVERHEAD:-1}
 CALIBRATE=${CALIBRATE:-0}
 CAL_MOONCAKE=${CAL_MOONCAKE:-"1 2 3 4"}
-CAL_SHARED=${CAL_SHARED:-"16 24 32 40"}
+CAL_SHARED=${CAL_SHARED:-"16 24 32 40 48"}
 CACHE=${CACHE:-$HOME/.cache/switchyard-bench}
-OUT=${OUT:-$ROOT/bench/out/peers-$(date +%Y%m%d-%H%M%S)}
+OUT=${OUT:-${TMPDIR:-/tmp}/switchyard-peers-$(date +%Y%m%d-%H%M%S)}
 MODEL=emulated-llama-8b
 SGLANG_ROUTER_VERSION=0.3.2
 VLLM_ROUTER_VERSION=0.1.17
