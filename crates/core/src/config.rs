@@ -151,6 +151,9 @@ pub struct CostConfig {
     /// Pools larger than twice this are scored on a shortlist: the instances holding a prefix of
     /// the prompt plus this many least loaded of each role (0: score every instance).
     pub shortlist_len: usize,
+    /// Weight of the delay a prefill inflicts on each request queued on the same instance
+    /// beyond the first (work added to a backlog delays everyone who joins it).
+    pub queue_interference_weight: f64,
     /// Engine-reported waiting requests at or above which an instance is saturated (none: never).
     pub max_waiting: Option<u32>,
     /// Router-side in-flight requests at or above which an instance is saturated (none: never).
@@ -177,6 +180,7 @@ impl Default for CostConfig {
             // with decode ITL unchanged; 16384 started to hurt ITL.
             local_prefill_max_tokens: 8192,
             shortlist_len: 64,
+            queue_interference_weight: 1.0,
             max_waiting: None,
             max_in_flight: None,
         }
@@ -458,6 +462,11 @@ impl RouterConfig {
         check(
             finite_nonneg(c.decode_interference_weight),
             "cost.decode_interference_weight",
+            "must be >= 0",
+        )?;
+        check(
+            finite_nonneg(c.queue_interference_weight),
+            "cost.queue_interference_weight",
             "must be >= 0",
         )?;
         check(

@@ -261,8 +261,9 @@ fn disaggregated_pools_split_by_role() {
             ..InstanceSpec::new("d", "m")
         })
         .unwrap();
-    // Long enough that running it whole on the decode instance is not an option.
-    let long = prompt("a long document. ", 8000, 0);
+    // Longer than `cost.local_prefill_max_tokens`: running it whole on the decode instance is
+    // not an option.
+    let long = prompt("a long document. ", 12000, 0);
     let decision = router.route(&RouteRequest::text("m", &long), 0.0).unwrap();
     assert!(decision.is_disaggregated());
     assert_eq!(decision.best(), Some(p));
@@ -726,4 +727,203 @@ fn random_spreads_uniformly_whatever_the_load_or_cache() {
         counts.values().all(|&n| (400..=600).contains(&n)),
         "{counts:?}"
     );
+}
+
+/// A router with `n` instances of `slots` runtime-loadable adapter slots each.
+fn lora_router(
+    policy: &str,
+    n: usize,
+    slots: u32,
+    config: RouterConfig,
+) -> (Router, Vec<InstanceId>) {
+    let mut router = Router::new(RouterConfig {
+        policy: policy.into(),
+        ..config
+    })
+    .unwrap();
+    let ids = (0..n)
+        .map(|i| {
+            let spec = InstanceSpec {
+                runtime_adapter_loading: true,
+                adapter_slots: slots,
+                ..InstanceSpec::new(format!("i{i}"), "m")
+            };
+            router.add_instance(spec).unwrap()
+        })
+        .collect();
+    (router, ids)
+}
+
+/// What `vllm:lora_requests_info` and the queue gauges would show.
+fn lora_metrics(running: &[&str], waiting: &[&str], max: u32, queue: u32) -> EngineMetrics {
+    EngineMetrics {
+        waiting: queue,
+        kv_usage: Some(0.0),
+        running_adapters: running.iter().map(|a| a.to_string()).collect(),
+        waiting_adapters: waiting.iter().map(|a| a.to_string()).collect(),
+        max_adapters: Some(max),
+        ..Default::default()
+    }
+}
+
+fn scrape(router: &mut Router, id: InstanceId, m: EngineMetrics, now: f64) {
+    router
+        .observe(Observation::MetricsScraped(id, m), now)
+        .unwrap();
+}
+
+fn with_adapter(adapter: &str) -> RouteRequest<'_> {
+    RouteRequest {
+        adapter: Some(adapter),
+        ..RouteRequest::text("m", "hello there")
+    }
+}
+
+#[test]
+fn gie_lora_prefers_active_then_free_slot_then_waiting() {
+    let (mut router, ids) = lora_router("gie-lora", 4, 2, RouterConfig::default());
+    // Queue, KV and prefix are equal everywhere: the LoRA affinity scorer decides.
+    scrape(
+        &mut router,
+        ids[0],
+        lora_metrics(&["y", "z"], &["x"], 2, 0),
+        0.0,
+    );
+    scrape(&mut router, ids[1], lora_metrics(&["y"], &[], 2, 0), 0.0);
+    scrape(&mut router, ids[2], lora_metrics(&["x"], &[], 2, 0), 0.0);
+    scrape(
+        &mut router,
+        ids[3],
+        lora_metrics(&["y", "z"], &[], 2, 0),
+        0.0,
+    );
+    let decision = router.route(&with_adapter("x"), 0.0).unwrap();
+    let order: Vec<InstanceId> = decision.ranked_candidates().map(|c| c.instance).collect();
+    // Active 1.0, free slot 0.8, only waiting 0.6, full 0.
+    assert_eq!(order, vec![ids[2], ids[1], ids[0], ids[3]]);
+    let score = |i: usize| -decision.candidate(ids[i]).unwrap().score;
+    assert!((score(2) - 5.0).abs() < 1e-6, "2 + 2 + 0 + 1 x 1.0");
+    assert!((score(1) - 4.8).abs() < 1e-6);
+    assert!((score(0) - 4.6).abs() < 1e-6);
+    assert!((score(3) - 4.0).abs() < 1e-6);
+}
+
+#[test]
+fn gie_lora_weighs_affinity_against_the_queue() {
+    // The adapter is active on i0, which has the longest queue; i1 is idle with free slots.
+    let setup = |weight: f64| {
+        let mut config = RouterConfig::default();
+        config.gie.lora_affinity_weight = weight;
+        let (mut router, ids) = lora_router("gie-lora", 2, 4, config);
+        scrape(&mut router, ids[0], lora_metrics(&["x"], &[], 4, 10), 0.0);
+        scrape(&mut router, ids[1], lora_metrics(&[], &[], 4, 0), 0.0);
+        let pick = router.route(&with_adapter("x"), 0.0).unwrap().best();
+        (pick, ids)
+    };
+    // Weight 1 (the extension's default): 2 x queue outweighs 1.0 - 0.8 of affinity.
+    let (pick, ids) = setup(1.0);
+    assert_eq!(pick, Some(ids[1]));
+    // Weight 20: 20 x 0.2 of affinity outweighs the queue's 2.
+    let (pick, ids) = setup(20.0);
+    assert_eq!(pick, Some(ids[0]));
+}
+
+#[test]
+fn gie_lora_reads_only_fresh_scrapes() {
+    let (mut router, ids) = lora_router("gie-lora", 2, 1, RouterConfig::default());
+    // i0 was seen running "x" long ago, i1 is full of "y" now.
+    scrape(&mut router, ids[0], lora_metrics(&["x"], &[], 1, 0), 0.0);
+    scrape(&mut router, ids[1], lora_metrics(&["y"], &[], 1, 0), 100.0);
+    let decision = router.route(&with_adapter("x"), 100.0).unwrap();
+    // Stale: i0 counts as empty lists with a free slot (0.8), i1 as full (0).
+    assert_eq!(decision.best(), Some(ids[0]));
+    assert!((-decision.candidate(ids[0]).unwrap().score - 4.8).abs() < 1e-6);
+}
+
+#[test]
+fn cost_does_not_send_an_adapter_where_every_slot_is_taken_by_running_adapters() {
+    let (mut router, ids) = lora_router("cost", 2, 2, RouterConfig::default());
+    // i0 is idle but both its slots hold adapters with running requests; i1 has work queued.
+    scrape(
+        &mut router,
+        ids[0],
+        lora_metrics(&["y", "z"], &[], 2, 0),
+        0.0,
+    );
+    scrape(&mut router, ids[1], lora_metrics(&[], &[], 2, 0), 0.0);
+    load_up(&mut router, ids[1], 3, 100);
+    let decision = router.route(&with_adapter("x"), 0.5).unwrap();
+    assert_eq!(decision.best(), Some(ids[1]));
+    let pinned = decision.candidate(ids[0]).unwrap();
+    let service = router.learned(ids[0]).unwrap().service_time_s;
+    assert!(
+        pinned.terms.adapter_s >= service,
+        "waiting for a slot costs about a service time: {:?}",
+        pinned.terms
+    );
+    // Adapters queued for a slot count too: one running + one waiting fill two slots.
+    scrape(&mut router, ids[0], lora_metrics(&["y"], &["z"], 2, 1), 1.0);
+    let decision = router.route(&with_adapter("x"), 1.0).unwrap();
+    assert!(decision.candidate(ids[0]).unwrap().terms.adapter_s >= service);
+    // Once a slot frees, i0 is an ordinary load again.
+    scrape(&mut router, ids[0], lora_metrics(&["y"], &[], 2, 0), 2.0);
+    let decision = router.route(&with_adapter("x"), 2.0).unwrap();
+    assert!(decision.candidate(ids[0]).unwrap().terms.adapter_s < 2.0);
+}
+
+#[test]
+fn cost_cooldown_never_funnels_requests_onto_an_instance_waiting_for_a_slot() {
+    let (mut router, ids) = lora_router("cost", 3, 1, RouterConfig::default());
+    // i0 and i1 just loaded an adapter (cooldown); i2 did not, but its only slot is pinned.
+    for (i, a) in [(0, "a"), (1, "b")] {
+        router
+            .observe(Observation::AdapterLoaded(ids[i], a.into()), 0.0)
+            .unwrap();
+    }
+    scrape(&mut router, ids[2], lora_metrics(&["c"], &[], 1, 0), 0.0);
+    let decision = router.route(&with_adapter("x"), 1.0).unwrap();
+    assert!(
+        decision.candidates.iter().all(|c| c.excluded.is_none()),
+        "no exclusion when the only instance left would wait for a slot"
+    );
+    assert_ne!(decision.best(), Some(ids[2]));
+    // With a free instance available, the cooling ones are excluded as before.
+    let (mut router, ids) = lora_router("cost", 3, 1, RouterConfig::default());
+    for (i, a) in [(0, "a"), (1, "b")] {
+        router
+            .observe(Observation::AdapterLoaded(ids[i], a.into()), 0.0)
+            .unwrap();
+    }
+    let decision = router.route(&with_adapter("x"), 1.0).unwrap();
+    assert_eq!(decision.best(), Some(ids[2]));
+    for &id in &ids[..2] {
+        assert_eq!(
+            decision.candidate(id).unwrap().excluded,
+            Some(switchyard_core::Exclusion::AdapterCooldown)
+        );
+    }
+}
+
+#[test]
+fn cost_prefers_evicting_a_replica_to_evicting_the_last_copy() {
+    let (mut router, ids) = lora_router("cost", 3, 1, RouterConfig::default());
+    // i0 holds the only copy of "y"; i1 and i2 both hold "z". Long before: no cooldown.
+    for (i, a) in [(0, "y"), (1, "z"), (2, "z")] {
+        router
+            .observe(Observation::AdapterLoaded(ids[i], a.into()), 0.0)
+            .unwrap();
+    }
+    let load_s = RouterConfig::default().cost.adapter_load_s;
+    for n in 0..20 {
+        let decision = router
+            .route(&with_adapter("x"), 100.0 + f64::from(n))
+            .unwrap();
+        let last_copy = decision.candidate(ids[0]).unwrap().terms.adapter_s;
+        let replica = decision.candidate(ids[1]).unwrap().terms.adapter_s;
+        assert!(
+            (last_copy - replica - load_s).abs() < 1e-9,
+            "{last_copy} vs {replica}"
+        );
+        assert_ne!(decision.best(), Some(ids[0]));
+    }
 }

@@ -276,6 +276,25 @@ mod tests {
     }
 
     #[test]
+    fn shift_round_trips_through_json_and_defaults_to_none() {
+        let mix = AdapterMix {
+            adapters: 32,
+            shift: Some(PopularityShift { at_fraction: 0.5 }),
+            ..Default::default()
+        };
+        let json = serde_json::to_string(&mix).unwrap();
+        assert_eq!(serde_json::from_str::<AdapterMix>(&json).unwrap(), mix);
+        let old: AdapterMix = serde_json::from_str(r#"{"adapters": 32}"#).unwrap();
+        assert_eq!(old.shift, None);
+        assert!(serde_json::from_str::<AdapterMix>(r#"{"shift": {"at": 0.5}}"#).is_err());
+        let bad = AdapterMix {
+            shift: Some(PopularityShift { at_fraction: 1.5 }),
+            ..Default::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
     fn shift_needs_known_length() {
         let mix = AdapterMix {
             shift: Some(PopularityShift { at_fraction: 0.5 }),

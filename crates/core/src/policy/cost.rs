@@ -7,6 +7,7 @@
 //! on it; then the next instance wins, prefills the prefix once, and holds it too.
 
 use rand::rngs::SmallRng;
+use rustc_hash::FxHashMap;
 
 use super::{Policy, ScoringContext, Stage, TieBreak};
 use crate::decision::{Candidate, CostTerms, Exclusion};
@@ -73,15 +74,100 @@ fn kv_penalty_s(
     ((projected - mark) / (1.0 - mark)).max(0.0) * ctx.config.cost.kv_pressure_s
 }
 
-/// Loading the request's adapter if it is not resident, plus evicting another if slots are full.
+/// Adapters with running requests on the instance, from fresh metrics (empty if unknown).
+fn running_adapters<'a>(ctx: &ScoringContext<'_>, instance: &'a Instance) -> &'a [String] {
+    instance
+        .fresh_metrics(ctx.now, ctx.config.estimates.metrics_stale_after_s)
+        .map_or(&[], |m| m.running_adapters.as_slice())
+}
+
+/// Whether a request for `adapter` would wait for a slot on `instance`: the last scrape shows
+/// adapters with running requests, plus adapters waiting for a slot, filling every slot, and
+/// `adapter` is not running there. The engine (like vLLM's scheduler) skips such a request until
+/// one running adapter has no request left.
+fn waits_for_slot(ctx: &ScoringContext<'_>, instance: &Instance, adapter: &str) -> bool {
+    let Some(m) = instance.fresh_metrics(ctx.now, ctx.config.estimates.metrics_stale_after_s)
+    else {
+        return false;
+    };
+    let running = &m.running_adapters;
+    if running.iter().any(|a| a == adapter) {
+        return false;
+    }
+    let queued = m
+        .waiting_adapters
+        .iter()
+        .filter(|a| !running.contains(a))
+        .count();
+    (running.len() + queued) as u32 >= instance.adapter_slots()
+}
+
+/// Loading the request's adapter if it is not resident, plus evicting another if slots are full,
+/// plus waiting for a slot (about a request's service time) when the slots are spoken for.
 fn adapter_s(ctx: &ScoringContext<'_>, instance: &Instance) -> f64 {
+    let Some(adapter) = ctx.request.adapter else {
+        return 0.0;
+    };
     let cost = &ctx.config.cost;
-    match ctx.request.adapter {
-        Some(adapter) if !instance.adapters.is_resident(adapter) => {
-            let full = instance.adapters.resident.len() as u32 >= instance.adapter_slots();
-            cost.adapter_load_s + if full { cost.adapter_eviction_s } else { 0.0 }
+    let contended = waits_for_slot(ctx, instance, adapter);
+    if !contended && instance.adapters.is_resident(adapter) {
+        return 0.0;
+    }
+    let full = contended || instance.adapters.resident.len() as u32 >= instance.adapter_slots();
+    let evict = if full { cost.adapter_eviction_s } else { 0.0 };
+    let slot_wait = if contended {
+        instance.learned.service_time_s
+    } else {
+        0.0
+    };
+    cost.adapter_load_s + evict + slot_wait
+}
+
+/// Evicting the only resident copy of an adapter means its next request pays a load somewhere:
+/// a load that would evict the last copy (the least recently used adapter with no running
+/// request, as the engine picks it) costs another `adapter_load_s`. Evicting a replica of an
+/// adapter that other candidates hold costs only the eviction already priced. `resident[i]`:
+/// the router believes candidate `i` holds the request's adapter.
+fn price_last_copy_evictions(
+    ctx: &ScoringContext<'_>,
+    candidates: &mut [Candidate],
+    resident: &[bool],
+) {
+    // Which candidates must evict, and whom: (candidate, victim).
+    let mut evicting: Vec<(usize, &str)> = Vec::new();
+    for (i, c) in candidates.iter().enumerate() {
+        let instance = ctx.instance(c);
+        let held = &instance.adapters.resident;
+        if resident[i] || (held.len() as u32) < instance.adapter_slots() {
+            continue;
         }
-        _ => 0.0,
+        let running = running_adapters(ctx, instance);
+        if let Some(victim) = held.iter().rev().find(|a| !running.contains(a)) {
+            evicting.push((i, victim.as_str()));
+        }
+    }
+    if evicting.is_empty() {
+        return;
+    }
+    // Holders of each victim among the candidates (only the victims are counted).
+    let mut holders: FxHashMap<&str, u32> = FxHashMap::default();
+    holders.reserve(evicting.len());
+    for &(_, victim) in &evicting {
+        holders.insert(victim, 0);
+    }
+    for c in candidates.iter() {
+        for a in &ctx.instance(c).adapters.resident {
+            if let Some(n) = holders.get_mut(a.as_str()) {
+                *n += 1;
+            }
+        }
+    }
+    let load = ctx.config.cost.adapter_load_s;
+    for (i, victim) in evicting {
+        if holders.get(victim).copied().unwrap_or(0) <= 1 {
+            candidates[i].terms.adapter_s += load;
+            candidates[i].score += load;
+        }
     }
 }
 
@@ -102,8 +188,18 @@ pub fn prefill_terms(
     terms.wait_s = view.pending_tokens / speed + slot_wait_s(instance, view.in_system);
     terms.prefill_s = uncached / speed;
     terms.adapter_s = adapter_s(ctx, instance);
-    terms.decode_penalty_s =
-        cost.decode_interference_weight * f64::from(view.running) * terms.prefill_s;
+    // Requests queued behind this one wait for its prefill too: by Little's law about as many
+    // arrive while it waits as are queued now (the first one queued is this request's own
+    // company, not a backlog). Without this term an overloaded fleet trades cache hits for
+    // queue balance, and the misses it takes add the work that keeps it overloaded.
+    let backlog = f64::from(
+        view.in_system
+            .saturating_sub(view.running)
+            .saturating_sub(1),
+    );
+    terms.decode_penalty_s = (cost.decode_interference_weight * f64::from(view.running)
+        + cost.queue_interference_weight * backlog)
+        * terms.prefill_s;
     let new_tokens = uncached + f64::from(ctx.request.max_tokens);
     terms.kv_penalty_s = kv_penalty_s(ctx, instance, &view, new_tokens);
     terms
@@ -143,21 +239,26 @@ fn total(terms: &CostTerms) -> f64 {
 }
 
 /// Thrashing guard for adapters: a swap must beat an instance already holding the adapter by a
-/// margin, and an instance that just swapped is not asked to swap again within the cooldown.
+/// margin, and an instance that just swapped is not asked to swap again within the cooldown
+/// while another candidate can take the request without waiting for a slot.
 fn guard_adapter_swaps(ctx: &ScoringContext<'_>, candidates: &mut [Candidate]) {
     let Some(adapter) = ctx.request.adapter else {
         return;
     };
-    let cost = &ctx.config.cost;
-    let resident_somewhere = candidates
+    // One pass of string comparisons per candidate: the lists are short, the fleet may not be.
+    let resident: Vec<bool> = candidates
         .iter()
-        .any(|c| ctx.instance(c).adapters.is_resident(adapter));
-    let mut swappers = Vec::new();
+        .map(|c| ctx.instance(c).adapters.is_resident(adapter))
+        .collect();
+    price_last_copy_evictions(ctx, candidates, &resident);
+    let cost = &ctx.config.cost;
+    let resident_somewhere = resident.iter().any(|&r| r);
+    let mut cooling = vec![false; candidates.len()];
     for (i, c) in candidates.iter_mut().enumerate() {
-        let instance = ctx.instance(c);
-        if instance.adapters.is_resident(adapter) {
+        if resident[i] {
             continue;
         }
+        let instance = ctx.instance(c);
         if resident_somewhere {
             c.terms.adapter_s += cost.adapter_switch_margin_s;
             c.score += cost.adapter_switch_margin_s;
@@ -168,14 +269,21 @@ fn guard_adapter_swaps(ctx: &ScoringContext<'_>, candidates: &mut [Candidate]) {
             .adapters
             .last_load_at
             .is_some_and(|at| ctx.now - at < cost.adapter_cooldown_s);
-        if slots_full && recently_swapped {
-            swappers.push(i);
-        }
+        cooling[i] = slots_full && recently_swapped;
     }
-    // Never exclude everyone: a request must go somewhere.
-    if swappers.len() < candidates.len() {
-        for i in swappers {
-            candidates[i].excluded = Some(Exclusion::AdapterCooldown);
+    // Funnelling every request onto the instances left would starve them when they wait for a
+    // slot; and a request must go somewhere.
+    let ready_elsewhere = candidates
+        .iter()
+        .zip(&cooling)
+        .any(|(c, &cool)| !cool && !waits_for_slot(ctx, ctx.instance(c), adapter));
+    if ready_elsewhere {
+        for (c, _) in candidates
+            .iter_mut()
+            .zip(&cooling)
+            .filter(|(_, &cool)| cool)
+        {
+            c.excluded = Some(Exclusion::AdapterCooldown);
         }
     }
 }

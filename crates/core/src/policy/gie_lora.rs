@@ -150,6 +150,8 @@ impl Policy for GieLora {
 mod tests {
     use super::*;
     use crate::fleet::{EngineMetrics, Fleet, InstanceSpec, Learned};
+    use crate::{Observation, RouteRequest, Router, RouterConfig};
+    use proptest::prelude::*;
 
     fn instance(slots: u32, metrics: Option<EngineMetrics>) -> Instance {
         let mut fleet = Fleet::default();
@@ -190,6 +192,54 @@ mod tests {
         assert_eq!(score(lists(&["a2"], &[], 2)), 0.8);
         assert_eq!(score(lists(&["a3"], &["a1"], 2)), 0.6);
         assert_eq!(score(lists(&["a4", "a5"], &[], 2)), 0.0);
+    }
+
+    fn adapter_list() -> impl Strategy<Value = Vec<&'static str>> {
+        proptest::sample::subsequence(vec!["x", "y", "z", "w"], 0..=4)
+    }
+
+    proptest! {
+        /// When the affinity weight dominates the other scorers (7 at most, against 20 for the
+        /// smallest step between affinity levels), the pick has the best affinity of the fleet,
+        /// and every candidate's affinity is one of the extension's four levels.
+        #[test]
+        fn a_dominant_affinity_weight_picks_the_best_affinity(
+            fleet in proptest::collection::vec(
+                (adapter_list(), adapter_list(), 0u32..4, 0u32..20, 0.0f64..1.0),
+                1..8,
+            ),
+        ) {
+            let mut config = RouterConfig { policy: "gie-lora".into(), ..Default::default() };
+            config.gie.lora_affinity_weight = 100.0;
+            let mut router = Router::new(config).unwrap();
+            let mut ids = Vec::new();
+            for (i, (running, waiting, max, queue, kv)) in fleet.iter().enumerate() {
+                let spec = InstanceSpec {
+                    runtime_adapter_loading: true,
+                    ..InstanceSpec::new(format!("i{i}"), "m")
+                };
+                let id = router.add_instance(spec).unwrap();
+                let m = EngineMetrics {
+                    waiting: *queue,
+                    kv_usage: Some(*kv),
+                    running_adapters: running.iter().map(|a| a.to_string()).collect(),
+                    waiting_adapters: waiting.iter().map(|a| a.to_string()).collect(),
+                    max_adapters: Some(*max),
+                    ..Default::default()
+                };
+                router.observe(Observation::MetricsScraped(id, m), 0.0).unwrap();
+                ids.push(id);
+            }
+            let request = RouteRequest { adapter: Some("x"), ..RouteRequest::text("m", "hello") };
+            let decision = router.route(&request, 0.0).unwrap();
+            let affinity = |id| lora_affinity(router.fleet().get(id).unwrap(), "x", 0.0, 5.0);
+            let best = ids.iter().map(|&id| affinity(id)).fold(0.0, f64::max);
+            let pick = decision.best().unwrap();
+            prop_assert_eq!(affinity(pick), best);
+            for &id in &ids {
+                prop_assert!([0.0, 0.6, 0.8, 1.0].contains(&affinity(id)));
+            }
+        }
     }
 
     #[test]
