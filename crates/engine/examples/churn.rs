@@ -175,8 +175,12 @@ fn main() {
     let emit_kv = env("EMIT_KV", 0u32) != 0;
     let pd = env("PD", 0u32) != 0;
     let default = EngineConfig::default();
+    let blocks = env("BLOCKS", default.num_gpu_blocks);
     let cfg = EngineConfig {
-        num_gpu_blocks: env("BLOCKS", default.num_gpu_blocks),
+        num_gpu_blocks: blocks,
+        max_model_len: default
+            .max_model_len
+            .min(blocks.saturating_mul(default.block_size)),
         emit_kv_events: emit_kv,
         ..default
     };
@@ -241,10 +245,10 @@ fn main() {
                 ((group + k * groups) as usize) % num_engines
             };
             let tokens = prompt(group, id);
-            let split = pd && id % 4 == 0;
+            let split = pd && id.is_multiple_of(4);
             if split {
-                let other = (i + 1 + (rng.next() % (num_engines as u64 - 1).max(1)) as usize)
-                    % num_engines;
+                let other =
+                    (i + 1 + (rng.next() % (num_engines as u64 - 1).max(1)) as usize) % num_engines;
                 handoff[id as usize] = Some((other, tokens.clone()));
             }
             engines[i].advance(now, &mut out);
@@ -302,7 +306,9 @@ fn main() {
         let mut touched = vec![i];
         for (other, req) in ready.drain(..) {
             engines[other].advance(now, &mut out);
-            engines[other].submit(req, now).expect("valid decode request");
+            engines[other]
+                .submit(req, now)
+                .expect("valid decode request");
             touched.push(other);
         }
         for i in touched {

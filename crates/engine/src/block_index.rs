@@ -10,13 +10,16 @@
 //! confirm a tag match. The table is sized for twice the number of blocks
 //! so it is never more than half full.
 
-/// An empty slot (block ids are below `u32::MAX`).
-const EMPTY: u64 = u64::MAX;
+/// An empty slot. Slots store `block + 1` (block ids are below
+/// `u32::MAX`), so that an all-zero table is empty: it comes from the
+/// allocator as untouched zero pages, which matters with a thousand
+/// engines, most of whose tables are never filled in a short run.
+const EMPTY: u64 = 0;
 
 /// Map from block hash to block id, holding at most `capacity` entries.
 #[derive(Debug, Clone)]
 pub(crate) struct BlockIndex {
-    /// `tag << 32 | block`, or `EMPTY`.
+    /// `tag << 32 | (block + 1)`, or `EMPTY`.
     slots: Vec<u64>,
     mask: usize,
     len: usize,
@@ -50,7 +53,7 @@ impl BlockIndex {
     }
 
     fn pack(hash: u64, block: u32) -> u64 {
-        (u64::from(Self::tag(hash)) << 32) | u64::from(block)
+        (u64::from(Self::tag(hash)) << 32) | (u64::from(block) + 1)
     }
 
     fn slot_tag(slot: u64) -> u32 {
@@ -58,7 +61,12 @@ impl BlockIndex {
     }
 
     fn slot_block(slot: u64) -> u32 {
-        slot as u32
+        (slot as u32).wrapping_sub(1)
+    }
+
+    /// Start fetching the slot where a probe for `hash` begins.
+    pub(crate) fn prefetch(&self, hash: u64) {
+        crate::prefetch::prefetch(&self.slots[self.home(Self::tag(hash))]);
     }
 
     /// The block indexed under `hash`; `hash_of(block)` gives a block's full hash.

@@ -134,6 +134,7 @@ impl Engine {
                         self.clock = self.clock.max(end);
                         let steps = r.steps;
                         r.apply(&mut self.sched, profile, steps, true, end, out);
+                        r.recycle(&mut self.sched);
                         self.start_next(end, out);
                     } else {
                         // Bring counters and blocks up to `until` so metrics are current.

@@ -16,6 +16,14 @@
 //! the pool out of the CPU cache. Stale entries are compacted away once
 //! they outnumber the blocks.
 //!
+//! Blocks never allocated yet form the head of the free queue in id order
+//! (the order a new pool queues them); they are kept implicit, as the ids
+//! from `blocks.len()` up, and a block's entry in `blocks` is created when
+//! it is first allocated. So a new engine writes nothing per block: with a
+//! thousand engines of 27,000 blocks, touching every pool, queue and index
+//! page up front cost about a gigabyte of page faults before the first
+//! request, and a short simulation never touches most of it.
+//!
 //! Simplification: one block per hash. A newly filled block whose hash is
 //! already cached stays unhashed (vLLM keeps both copies reachable).
 
@@ -38,6 +46,7 @@ pub(crate) fn adapter_salt(adapter: Option<&str>) -> u64 {
 }
 
 /// Chained hash of one full block: covers its tokens, its parent's hash and the adapter salt.
+#[inline] // into the per-prompt loop: a prompt is a hundred or more blocks
 pub(crate) fn hash_block(
     parent: Option<u64>,
     salt: u64,
@@ -46,25 +55,47 @@ pub(crate) fn hash_block(
 ) -> u64 {
     // The salt enters through the root seed; later blocks inherit it through the chain.
     let seed = parent.unwrap_or(ROOT_SEED ^ salt);
-    // Common block sizes fit a stack buffer; byte-wise stores keep the
-    // conversion branch- and call-free (a per-token memcpy was a hot spot).
-    const STACK_TOKENS: usize = 64;
-    if tokens.len() <= STACK_TOKENS {
-        let mut buf = [0u8; STACK_TOKENS * 4];
-        for (i, t) in tokens.iter().enumerate() {
-            let b = t.to_le_bytes();
-            buf[4 * i] = b[0];
-            buf[4 * i + 1] = b[1];
-            buf[4 * i + 2] = b[2];
-            buf[4 * i + 3] = b[3];
-        }
-        return nonzero(xxh3_64_with_seed(&buf[..tokens.len() * 4], seed));
+    // Common block sizes go through a fixed-size stack array: with the
+    // length a constant, the compiler converts the tokens with a few vector
+    // moves and specialises the hash. (A variable-length copy into a stack
+    // buffer compiles to a `memcpy` call whose stores the hash's first
+    // loads then stall on: that was a tenth of the engine's time.)
+    let fixed = match tokens.len() {
+        8 => <&[u32; 8]>::try_from(tokens)
+            .ok()
+            .map(|t| hash_fixed::<8, 32>(t, seed)),
+        16 => <&[u32; 16]>::try_from(tokens)
+            .ok()
+            .map(|t| hash_fixed::<16, 64>(t, seed)),
+        32 => <&[u32; 32]>::try_from(tokens)
+            .ok()
+            .map(|t| hash_fixed::<32, 128>(t, seed)),
+        64 => <&[u32; 64]>::try_from(tokens)
+            .ok()
+            .map(|t| hash_fixed::<64, 256>(t, seed)),
+        _ => None,
+    };
+    nonzero(fixed.unwrap_or_else(|| hash_bytes(tokens, seed, scratch)))
+}
+
+/// xxh3 of the little-endian bytes of `N` tokens (`BYTES = 4 N`).
+#[inline(always)]
+fn hash_fixed<const N: usize, const BYTES: usize>(tokens: &[u32; N], seed: u64) -> u64 {
+    const { assert!(N * 4 == BYTES) };
+    let mut buf = [0u8; BYTES];
+    for (i, t) in tokens.iter().enumerate() {
+        buf[4 * i..4 * i + 4].copy_from_slice(&t.to_le_bytes());
     }
+    xxh3_64_with_seed(&buf, seed)
+}
+
+/// xxh3 of the little-endian bytes of `tokens`, through `scratch`.
+fn hash_bytes(tokens: &[u32], seed: u64, scratch: &mut Vec<u8>) -> u64 {
     scratch.clear();
     for t in tokens {
         scratch.extend_from_slice(&t.to_le_bytes());
     }
-    nonzero(xxh3_64_with_seed(scratch, seed))
+    xxh3_64_with_seed(scratch, seed)
 }
 
 /// Keep 0 free as the "no hash" marker.
@@ -77,6 +108,7 @@ fn nonzero(h: u64) -> u64 {
 }
 
 /// Hashes of every full block of `tokens`.
+#[cfg(test)]
 pub(crate) fn hash_prompt(
     tokens: &[u32],
     block_size: usize,
@@ -84,13 +116,24 @@ pub(crate) fn hash_prompt(
     scratch: &mut Vec<u8>,
 ) -> Vec<u64> {
     let mut out = Vec::with_capacity(tokens.len() / block_size);
+    hash_prompt_into(tokens, block_size, salt, scratch, &mut out);
+    out
+}
+
+/// Append the hashes of every full block of `tokens` to `out`.
+pub(crate) fn hash_prompt_into(
+    tokens: &[u32],
+    block_size: usize,
+    salt: u64,
+    scratch: &mut Vec<u8>,
+    out: &mut Vec<u64>,
+) {
     let mut parent = None;
     for chunk in tokens.chunks_exact(block_size) {
         let h = hash_block(parent, salt, chunk, scratch);
         out.push(h);
         parent = Some(h);
     }
-    out
 }
 
 /// One physical KV block (16 bytes: the pool is accessed at random a lot).
@@ -114,10 +157,16 @@ struct Block {
 #[derive(Debug)]
 pub(crate) struct KvCache {
     block_size: u32,
+    /// Pool size.
+    num_blocks: u32,
+    /// Blocks allocated at least once, by id; the rest (ids from
+    /// `blocks.len()` to `num_blocks`) are free, hold nothing and head the
+    /// free queue. The capacity is reserved up front, so it never moves.
     blocks: Vec<Block>,
-    /// Free queue, LRU first; entries whose stamp is not the block's are stale.
+    /// Free queue after the never-allocated blocks, LRU first; entries
+    /// whose stamp is not the block's are stale.
     queue: VecDeque<(u32, u32)>,
-    /// Live entries in `queue` (= blocks with `ref_cnt == 0`).
+    /// Blocks with `ref_cnt == 0`: the never-allocated ones plus the live entries in `queue`.
     free_len: u32,
     map: BlockIndex,
     prefix_caching: bool,
@@ -131,20 +180,12 @@ impl KvCache {
     /// A pool of `num_blocks` free blocks.
     pub(crate) fn new(num_blocks: u32, block_size: u32, prefix_caching: bool, emit: bool) -> Self {
         let n = num_blocks as usize;
-        let blocks = vec![
-            Block {
-                hash: NO_HASH,
-                ref_cnt: 0,
-                stamp: 0,
-            };
-            n
-        ];
-        let mut queue = VecDeque::with_capacity(2 * n + 64);
-        queue.extend((0..num_blocks).map(|b| (b, 0)));
         Self {
             block_size,
-            blocks,
-            queue,
+            num_blocks,
+            // Reserved, not written: pages are touched as blocks come into use.
+            blocks: Vec::with_capacity(n),
+            queue: VecDeque::with_capacity(2 * n + 64),
             free_len: num_blocks,
             map: BlockIndex::new(n),
             prefix_caching,
@@ -171,7 +212,12 @@ impl KvCache {
 
     /// Total blocks.
     pub(crate) fn num_blocks(&self) -> u32 {
-        self.blocks.len() as u32
+        self.num_blocks
+    }
+
+    /// Blocks never allocated yet (the head of the free queue).
+    fn num_fresh(&self) -> u32 {
+        self.num_blocks - self.blocks.len() as u32
     }
 
     /// Blocks not held by any request (including cached ones that can be evicted).
@@ -235,6 +281,13 @@ impl KvCache {
         holds(down).then_some(down)
     }
 
+    /// Start fetching the index slot where a lookup of `hash` begins.
+    pub(crate) fn prefetch_lookup(&self, hash: u64) {
+        if self.prefix_caching {
+            self.map.prefetch(hash);
+        }
+    }
+
     /// The block caching `hash`, if any.
     fn lookup(&self, hash: u64) -> Option<u32> {
         let blocks = &self.blocks;
@@ -272,12 +325,20 @@ impl KvCache {
         if n > self.free_len {
             return false;
         }
+        let first = out.len();
         for _ in 0..n {
             let b = self.pop_front();
             out.push(b);
             let blk = &mut self.blocks[b as usize];
             blk.ref_cnt = 1;
-            let h = std::mem::replace(&mut blk.hash, NO_HASH);
+            if blk.hash != NO_HASH {
+                self.map.prefetch(blk.hash);
+            }
+        }
+        // Evictions in a second pass, so the index probes of all the
+        // blocks overlap (nothing reads the index in between).
+        for &b in &out[first..] {
+            let h = std::mem::replace(&mut self.blocks[b as usize].hash, NO_HASH);
             if h != NO_HASH {
                 // A registered block is always the one its hash maps to.
                 let removed = self.map.remove(h, b);
@@ -295,8 +356,42 @@ impl KvCache {
         true
     }
 
+    /// Start fetching the pool entries of the next `n` blocks [`KvCache::allocate`] would take.
+    pub(crate) fn prefetch_allocation(&self, n: u32) {
+        // Never-allocated blocks come first and need no fetching. Stale
+        // entries are skipped by allocation, so this may fetch fewer than
+        // `n` live blocks; it is only a hint.
+        let n = n.saturating_sub(self.num_fresh());
+        for &(b, _) in self.queue.iter().take(n as usize) {
+            if let Some(blk) = self.blocks.get(b as usize) {
+                crate::prefetch::prefetch(blk);
+            }
+        }
+    }
+
+    /// Start fetching the index slots the next `n` allocations will clear
+    /// (best after [`KvCache::prefetch_allocation`] had time to land).
+    pub(crate) fn prefetch_evictions(&self, n: u32) {
+        let n = n.saturating_sub(self.num_fresh());
+        for &(b, stamp) in self.queue.iter().take(n as usize) {
+            match self.blocks.get(b as usize) {
+                Some(blk) if blk.stamp == stamp && blk.hash != NO_HASH => {
+                    self.map.prefetch(blk.hash);
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// Drop one reference on each block, last block first, queueing those that become free.
     pub(crate) fn free(&mut self, blocks: &[u32]) {
+        // A finished request's own blocks are scattered over the pool:
+        // start fetching all of them before the dependent updates.
+        for &b in blocks {
+            if let Some(blk) = self.blocks.get(b as usize) {
+                crate::prefetch::prefetch(blk);
+            }
+        }
         for &b in blocks.iter().rev() {
             let blk = &mut self.blocks[b as usize];
             debug_assert!(blk.ref_cnt > 0, "double free of block {b}");
@@ -307,13 +402,24 @@ impl KvCache {
                 self.free_len += 1;
             }
         }
-        if self.queue.len() > 2 * self.blocks.len() + 64 {
+        if self.queue.len() > 2 * self.num_blocks as usize + 64 {
             self.compact();
         }
     }
 
     /// Take the live entry at the head of the free queue (there is one: `free_len > 0`).
     fn pop_front(&mut self) -> u32 {
+        if self.num_fresh() > 0 {
+            // Its implicit queue entry has stamp 0; leaving the queue bumps it.
+            let b = self.blocks.len() as u32;
+            self.blocks.push(Block {
+                hash: NO_HASH,
+                ref_cnt: 0,
+                stamp: 1,
+            });
+            self.free_len -= 1;
+            return b;
+        }
         while let Some((b, stamp)) = self.queue.pop_front() {
             let blk = &mut self.blocks[b as usize];
             if blk.stamp == stamp && blk.ref_cnt == 0 {
@@ -340,8 +446,25 @@ impl KvCache {
     ///
     /// False when caching is off, the block is already registered (a prefix
     /// hit) or another block already caches this hash.
+    #[cfg(test)]
     pub(crate) fn commit(&mut self, block: u32, hash: u64) -> bool {
-        if !self.prefix_caching || self.blocks[block as usize].hash != NO_HASH {
+        if self.blocks[block as usize].hash != NO_HASH {
+            return false;
+        }
+        self.commit_computed(block, hash)
+    }
+
+    /// [`KvCache::commit`] for a block its holder has just computed, which
+    /// therefore caches nothing yet (not a prefix hit).
+    ///
+    /// Skips reading the block, which is cold by then: with a thousand
+    /// engines that read was a cache miss on every block that filled.
+    pub(crate) fn commit_computed(&mut self, block: u32, hash: u64) -> bool {
+        debug_assert_eq!(
+            self.blocks[block as usize].hash, NO_HASH,
+            "block {block} is cached"
+        );
+        if !self.prefix_caching {
             return false;
         }
         let blocks = &self.blocks;
@@ -355,6 +478,13 @@ impl KvCache {
         true
     }
 
+    /// Start fetching the index slot [`KvCache::commit_computed`] will probe for `hash`.
+    pub(crate) fn prefetch_commit(&self, hash: u64) {
+        if self.prefix_caching {
+            self.map.prefetch(hash);
+        }
+    }
+
     /// Whether a block is in the free queue (evictable if it caches a hash).
     pub(crate) fn is_free(&self, block: u32) -> bool {
         self.blocks[block as usize].ref_cnt == 0
@@ -363,7 +493,10 @@ impl KvCache {
     /// Position in the free queue (0 = next evicted) of the first of
     /// `sorted` found within the first `limit` queued blocks.
     pub(crate) fn first_queued_among(&self, sorted: &[u32], limit: u64) -> Option<u64> {
-        let mut pos = 0u64;
+        // Never-allocated blocks head the queue; none is in `sorted`, which
+        // holds cached blocks.
+        debug_assert!(sorted.iter().all(|&b| (b as usize) < self.blocks.len()));
+        let mut pos = u64::from(self.num_fresh());
         for &(b, stamp) in &self.queue {
             if pos >= limit {
                 break;
@@ -412,11 +545,17 @@ impl KvCache {
 
     /// Check internal consistency against the reference counts the requests imply.
     pub(crate) fn check(&self, expected_refs: &[u32]) -> Result<(), String> {
-        if expected_refs.len() != self.blocks.len() {
+        let n = self.num_blocks as usize;
+        if expected_refs.len() != n {
             return Err("reference vector has the wrong length".into());
         }
-        let mut in_queue = vec![false; self.blocks.len()];
-        let mut queued = 0u32;
+        if self.blocks.len() > n {
+            return Err("more blocks than the pool holds".into());
+        }
+        // Never-allocated blocks are live queue entries by construction.
+        let mut in_queue = vec![false; n];
+        in_queue[self.blocks.len()..].fill(true);
+        let mut queued = self.num_fresh();
         for &(b, stamp) in &self.queue {
             let Some(blk) = self.blocks.get(b as usize) else {
                 return Err(format!("free queue holds bad block {b}"));
@@ -436,7 +575,16 @@ impl KvCache {
                 self.free_len
             ));
         }
-        for (i, (blk, &want)) in self.blocks.iter().zip(expected_refs).enumerate() {
+        let fresh = Block {
+            hash: NO_HASH,
+            ref_cnt: 0,
+            stamp: 0,
+        };
+        let all = self
+            .blocks
+            .iter()
+            .chain(std::iter::repeat_n(&fresh, self.num_fresh() as usize));
+        for (i, (blk, &want)) in all.zip(expected_refs).enumerate() {
             if blk.ref_cnt != want {
                 return Err(format!(
                     "block {i}: ref_cnt {} but {want} holders",
@@ -624,6 +772,129 @@ mod tests {
         let mut ev = Vec::new();
         c.drain_events(&mut ev);
         assert_eq!(ev, vec![KvEvent::AllBlocksCleared]);
+    }
+
+    #[test]
+    fn never_used_blocks_head_the_queue_in_id_order() {
+        // As if the new pool had queued 0..n: frees go behind the blocks
+        // never allocated, and eviction order follows.
+        let mut c = KvCache::new(5, 16, true, true);
+        let mut a = Vec::new();
+        assert!(c.allocate(2, &mut a));
+        assert_eq!(a, vec![0, 1]);
+        assert!(c.commit(a[0], 10));
+        assert!(c.commit(a[1], 11));
+        c.free(&a);
+        c.check(&refs(&c, &[])).unwrap();
+        assert_eq!(
+            c.first_queued_among(&[0, 1], 10),
+            Some(3),
+            "behind 2, 3, 4, then 1"
+        );
+        let mut b = Vec::new();
+        assert!(c.allocate(4, &mut b));
+        assert_eq!(b, vec![2, 3, 4, 1], "freed tail-first");
+        let mut ev = Vec::new();
+        c.drain_events(&mut ev);
+        assert_eq!(
+            ev,
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![11]
+            }]
+        );
+        let mut hits = Vec::new();
+        assert_eq!(c.find_prefix(&[10], 1, &mut hits), 1);
+        c.check(&refs(&c, &[&b])).unwrap();
+    }
+
+    #[test]
+    fn prefix_lookup_falls_back_to_the_index_past_neighbours() {
+        // The chain's blocks are not adjacent, and a neighbour holds another hash.
+        let mut c = KvCache::new(8, 16, true, false);
+        let mut a = Vec::new();
+        assert!(c.allocate(8, &mut a));
+        for (b, h) in [(3, 100), (4, 555), (2, 556), (6, 101), (0, 102)] {
+            assert!(c.commit(a[b], h));
+        }
+        c.free(&a);
+        let mut hits = Vec::new();
+        assert_eq!(c.find_prefix(&[100, 101, 102, 103], 4, &mut hits), 3);
+        assert_eq!(hits, vec![3, 6, 0]);
+        hits.clear();
+        assert_eq!(c.find_prefix(&[100, 101, 102], 2, &mut hits), 2);
+        assert_eq!(hits, vec![3, 6]);
+    }
+
+    proptest::proptest! {
+        /// `find_prefix` (neighbour probing first) answers exactly as index
+        /// lookups alone, and the pool stays consistent, under random use.
+        #[test]
+        fn prefix_lookup_matches_index_lookups(
+            ops in proptest::collection::vec((0u8..4, 0u64..40, 1u32..6), 1..300),
+        ) {
+            let mut c = KvCache::new(24, 4, true, true);
+            // Requests' blocks; a chain's hashes are `base + k`.
+            let mut held: Vec<Vec<u32>> = Vec::new();
+            for (op, base, n) in ops {
+                let chain: Vec<u64> = (0..n as u64).map(|k| 1 + base * 8 + k).collect();
+                match op {
+                    0 => {
+                        let mut hits = Vec::new();
+                        let found = c.find_prefix(&chain, chain.len(), &mut hits);
+                        let want: Vec<u32> = chain.iter().map_while(|&h| c.lookup(h)).collect();
+                        proptest::prop_assert_eq!(found, want.len());
+                        proptest::prop_assert_eq!(&hits, &want);
+                        let new = n - found as u32;
+                        if c.can_allocate(&hits, new) {
+                            c.touch(&hits);
+                            let mut blocks = hits.clone();
+                            proptest::prop_assert!(c.allocate(new, &mut blocks));
+                            for (k, &b) in blocks.iter().enumerate().skip(found) {
+                                c.commit_computed(b, chain[k]);
+                            }
+                            held.push(blocks);
+                        }
+                    }
+                    1 | 2 if !held.is_empty() => {
+                        let blocks = held.swap_remove(base as usize % held.len());
+                        c.free(&blocks);
+                    }
+                    _ => {
+                        let mut blocks = Vec::new();
+                        if c.allocate(n.min(c.num_free()), &mut blocks) {
+                            held.push(blocks);
+                        }
+                    }
+                }
+                let all: Vec<&[u32]> = held.iter().map(Vec::as_slice).collect();
+                c.check(&refs(&c, &all)).map_err(proptest::test_runner::TestCaseError::fail)?;
+            }
+        }
+    }
+
+    #[test]
+    fn block_hash_is_xxh3_of_the_little_endian_tokens() {
+        // Pins the hash (it is visible in KV events) across the fixed-size
+        // fast paths and the general one.
+        let mut scratch = Vec::new();
+        for len in [1usize, 4, 8, 12, 16, 32, 64, 100, 128] {
+            let toks: Vec<u32> = (0..len as u32)
+                .map(|i| i.wrapping_mul(0x9E37_79B9))
+                .collect();
+            let bytes: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
+            let want = nonzero(xxh3_64_with_seed(&bytes, 77));
+            assert_eq!(
+                hash_block(Some(77), 5, &toks, &mut scratch),
+                want,
+                "{len} tokens"
+            );
+            let root = nonzero(xxh3_64_with_seed(&bytes, ROOT_SEED ^ 5));
+            assert_eq!(
+                hash_block(None, 5, &toks, &mut scratch),
+                root,
+                "{len} tokens"
+            );
+        }
     }
 
     #[test]

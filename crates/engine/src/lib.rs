@@ -69,6 +69,12 @@
 //! fast-forwarded in closed form (see the `run` module docs), so the cost
 //! is proportional to scheduling events (admissions, finishes,
 //! preemptions, block-pressure points), not to tokens × sequences.
+//! Simulations run a thousand engines whose state is cold in the CPU
+//! cache whenever one's turn comes, so the hot paths are shaped for memory:
+//! a new engine reserves its block pool and prefix index without touching
+//! them, prefix lookups check a block's neighbours before the index, and a
+//! step's updates fetch the cache lines of all its requests before using
+//! any (see `examples/churn.rs` for the benchmark).
 
 #![warn(missing_docs)]
 
@@ -79,6 +85,7 @@ pub mod events;
 mod kv_cache;
 mod lora;
 pub mod metrics;
+mod prefetch;
 pub mod profile;
 pub mod request;
 mod run;

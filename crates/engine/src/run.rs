@@ -58,7 +58,6 @@ impl Run {
         }
         let mut f = u64::MAX;
         let mut ctx0 = 0u64;
-        let mut members = Vec::with_capacity(plan.items.len());
         for it in &plan.items {
             let s = sched.seq(it.slot);
             if it.tokens != 1 || !s.is_decoding() {
@@ -66,8 +65,11 @@ impl Run {
             }
             f = f.min(u64::from(s.max_tokens - s.output));
             ctx0 += u64::from(s.computed);
-            members.push((it.slot, it.key));
         }
+        // The member list's buffer is reused from run to run.
+        let mut members = std::mem::take(&mut sched.spare_members);
+        members.clear();
+        members.extend(plan.items.iter().map(|it| (it.slot, it.key)));
         let n = members.len() as u64;
         let mut run = Run {
             start,
@@ -95,10 +97,16 @@ impl Run {
             m = m.min(run.first_step_ending_at_or_after(profile, ready, m));
         }
         if m < 2 {
+            run.recycle(sched);
             return None;
         }
         run.steps = m;
         Some(run)
+    }
+
+    /// Give the member list's buffer back to `sched` for the next run.
+    pub(crate) fn recycle(self, sched: &mut Scheduler) {
+        sched.spare_members = self.members;
     }
 
     /// Blocks taken from the free queue by steps 2..=m.
@@ -230,6 +238,7 @@ impl Run {
         }
         // j ≤ max_tokens ≤ u32::MAX by construction of the run.
         let ju = u32::try_from(j).unwrap_or(u32::MAX);
+        sched.prepare_apply(self.members.iter().map(|&(slot, key)| (slot, key, ju)));
         let mut finished_any = false;
         for &(slot, key) in &self.members {
             let Some(s) = sched.slab[slot as usize]

@@ -21,12 +21,15 @@
 //! request that would have to preempt itself first reclaims the blocks of
 //! a waiting decode-side request (see `reclaim_waiting_blocks`).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
 
 use crate::config::{EngineConfig, Role};
 use crate::events::{EngineEvent, FinishReason, KvEvent};
-use crate::kv_cache::{adapter_salt, hash_block, hash_prompt, KvCache};
+use crate::kv_cache::{adapter_salt, hash_block, hash_prompt_into, KvCache};
 use crate::lora::Loras;
+use crate::prefetch::{prefetch, prefetch_lines};
 use crate::profile::Profile;
 use crate::request::{EngineRequest, KvTransfer, RequestId, RequestMode, SubmitError};
 use crate::seq::{Kind, Phase, Seq};
@@ -124,7 +127,8 @@ pub(crate) struct Scheduler {
     /// Live requests by slot.
     pub slab: Vec<Option<Seq>>,
     free_slots: Vec<u32>,
-    ids: HashMap<RequestId, u32>,
+    /// Slot of each live request (Fx: ids are caller-chosen integers, no need for SipHash).
+    ids: FxHashMap<RequestId, u32>,
     /// FCFS queue (preempted requests go back to the front).
     pub waiting: VecDeque<u32>,
     /// Running batch in admission order (the last is preempted first).
@@ -147,6 +151,10 @@ pub(crate) struct Scheduler {
     hit_scratch: Vec<u32>,
     /// Scratch for fast-forward bounds.
     pub bucket_scratch: Vec<u64>,
+    /// Buffer for the next fast-forward run's member list.
+    pub spare_members: Vec<(u32, u64)>,
+    /// Scratch of `prepare_apply`: requests with blocks to commit, and how many.
+    fill_scratch: Vec<(u32, u32)>,
 }
 
 impl Scheduler {
@@ -165,7 +173,7 @@ impl Scheduler {
             lora_load_time: cfg.lora_load_time_s,
             slab: Vec::new(),
             free_slots: Vec::new(),
-            ids: HashMap::new(),
+            ids: FxHashMap::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             cache: KvCache::new(
@@ -184,6 +192,8 @@ impl Scheduler {
             tok_scratch: Vec::new(),
             hit_scratch: Vec::new(),
             bucket_scratch: Vec::new(),
+            spare_members: Vec::new(),
+            fill_scratch: Vec::new(),
         }
     }
 
@@ -218,7 +228,10 @@ impl Scheduler {
             (self.role, &req.mode),
             (Role::Both, _)
                 | (Role::Prefill, RequestMode::PrefillOnly)
-                | (Role::Decode, RequestMode::DecodeAfterTransfer(_) | RequestMode::Normal)
+                | (
+                    Role::Decode,
+                    RequestMode::DecodeAfterTransfer(_) | RequestMode::Normal
+                )
         );
         if !role_ok {
             return Err(SubmitError::WrongRole {
@@ -257,16 +270,23 @@ impl Scheduler {
             ),
         };
         let salt = adapter_salt(req.adapter.as_deref());
+        // Sized for the whole life of the request (it always generates
+        // `max_tokens`), so neither vector is reallocated as it grows.
+        let total_tokens = prompt_len as u64 + u64::from(max_tokens);
         let hashes = if self.cache.prefix_caching() {
-            hash_prompt(
+            let mut hashes = Vec::with_capacity((total_tokens / u64::from(self.bs)) as usize);
+            hash_prompt_into(
                 &req.prompt_tokens,
                 self.bs as usize,
                 salt,
                 &mut self.byte_scratch,
-            )
+                &mut hashes,
+            );
+            hashes
         } else {
             Vec::new()
         };
+        let blocks = Vec::with_capacity(total_tokens.div_ceil(u64::from(self.bs)) as usize);
         if let Some(a) = adapter {
             self.loras.add_live(a);
         }
@@ -284,7 +304,7 @@ impl Scheduler {
             phase: Phase::Waiting,
             computed: 0,
             output: 0,
-            blocks: Vec::new(),
+            blocks,
             hashes,
             committed: 0,
             cached_tokens: None,
@@ -312,6 +332,17 @@ impl Scheduler {
             self.finish_transfers(start);
         }
         let mut budget = self.budget;
+        // The next request to admit is cold: start fetching the index slot
+        // of its first block while the running batch is composed.
+        if let Some(s) = self
+            .waiting
+            .front()
+            .and_then(|&w| self.slab[w as usize].as_ref())
+        {
+            if let Some(&h) = s.hashes.first() {
+                self.cache.prefetch_lookup(h);
+            }
+        }
 
         // 1. Running requests.
         let mut i = 0;
@@ -634,6 +665,87 @@ impl Scheduler {
             .min_by(f64::total_cmp)
     }
 
+    /// Get ready to apply computed tokens to the running requests of
+    /// `batch`, given as `(slot, key, new tokens)`: fetch their state and
+    /// hash the blocks that fill, so that the cache misses of all of them
+    /// overlap instead of being taken one request at a time.
+    pub(crate) fn prepare_apply<I>(&mut self, batch: I)
+    where
+        I: Iterator<Item = (u32, u64, u32)> + Clone,
+    {
+        for (slot, _, _) in batch.clone() {
+            if let Some(entry) = self.slab.get(slot as usize) {
+                // The hot line, and the next one with `hashes` for blocks that fill.
+                prefetch_lines(entry, 2);
+            }
+        }
+        let bs = self.bs;
+        let caching = self.cache.prefix_caching();
+        // Blocks the batch may allocate: up to one token past its new end
+        // (a run allocates the next step's block ahead).
+        let mut new_blocks = 0u32;
+        let mut filling = std::mem::take(&mut self.fill_scratch);
+        filling.clear();
+        for (slot, key, tokens) in batch {
+            let Some(s) = self.running_seq(slot, key) else {
+                continue;
+            };
+            let end = s.computed + tokens;
+            new_blocks += self
+                .cache
+                .blocks_for(end + 1)
+                .saturating_sub(s.blocks.len() as u32);
+            let full = end / bs;
+            if caching && s.committed < full {
+                // What hashing and committing read first: the parent hash,
+                // the first prompt hash to commit, the first block.
+                if let Some(h) = s.hashes.last() {
+                    prefetch(h);
+                }
+                if let Some(h) = s.hashes.get(s.committed as usize) {
+                    prefetch(h);
+                }
+                if let Some(b) = s.blocks.get(s.committed as usize) {
+                    prefetch(b);
+                }
+                filling.push((slot, full));
+            }
+        }
+        self.cache.prefetch_allocation(new_blocks);
+        for &(slot, full) in &filling {
+            self.prepare_commit(slot, full);
+        }
+        self.fill_scratch = filling;
+        self.cache.prefetch_evictions(new_blocks);
+    }
+
+    /// The request in `slot` if it is still submission `key` and running.
+    pub(crate) fn running_seq(&self, slot: u32, key: u64) -> Option<&Seq> {
+        self.slab
+            .get(slot as usize)?
+            .as_ref()
+            .filter(|s| s.key == key && s.phase == Phase::Running)
+    }
+
+    /// Hash the first `full` blocks of `slot` and start fetching the index
+    /// slots committing them will probe (see [`Scheduler::prepare_apply`]).
+    fn prepare_commit(&mut self, slot: u32, full: u32) {
+        let Some(s) = self.slab[slot as usize].as_mut() else {
+            return;
+        };
+        let full = full as usize;
+        hash_blocks_upto(
+            s,
+            full,
+            self.bs as usize,
+            &mut self.tok_scratch,
+            &mut self.byte_scratch,
+        );
+        for &h in s.hashes.get(s.committed as usize..full).unwrap_or(&[]) {
+            self.cache.prefetch_commit(h);
+        }
+    }
+
     /// Offer newly full, computed blocks of `slot` to the prefix cache (and report them).
     pub(crate) fn commit_blocks(&mut self, slot: u32) {
         if !self.cache.prefix_caching() {
@@ -648,23 +760,17 @@ impl Scheduler {
         if (s.committed as usize) >= full {
             return;
         }
+        hash_blocks_upto(s, full, bs, &mut self.tok_scratch, &mut self.byte_scratch);
         let mut ev_hashes: Vec<u64> = Vec::new();
         let mut ev_tokens: Vec<u32> = Vec::new();
         let mut ev_parent: Option<u64> = None;
         while (s.committed as usize) < full {
             let k = s.committed as usize;
             let parent = k.checked_sub(1).map(|p| s.hashes[p]);
-            if k >= s.hashes.len() {
-                // A block containing output tokens: hash it once, when it fills.
-                self.tok_scratch.clear();
-                for pos in k * bs..(k + 1) * bs {
-                    self.tok_scratch.push(s.token_at(pos as u32));
-                }
-                let h = hash_block(parent, s.salt, &self.tok_scratch, &mut self.byte_scratch);
-                s.hashes.push(h);
-            }
             let h = s.hashes[k];
-            let stored = self.cache.commit(s.blocks[k], h);
+            // Blocks past the committed prefix were allocated to this
+            // request, never found in the cache: they hold no hash yet.
+            let stored = self.cache.commit_computed(s.blocks[k], h);
             if emit {
                 if stored {
                     if ev_hashes.is_empty() {
@@ -700,6 +806,7 @@ impl Scheduler {
     /// Apply the completed step `self.plan` at time `end`.
     pub(crate) fn apply_plan(&mut self, end: f64, out: &mut Vec<EngineEvent>) {
         let items = std::mem::take(&mut self.plan.items);
+        self.prepare_apply(items.iter().map(|it| (it.slot, it.key, it.tokens)));
         let mut finished_any = false;
         for it in &items {
             let Some(s) = self.slab[it.slot as usize]
@@ -882,6 +989,35 @@ impl Scheduler {
             }
         }
         self.cache.check(&refs)
+    }
+}
+
+/// Extend `s.hashes` to the first `upto` blocks.
+///
+/// Blocks holding output tokens are hashed once, when they fill (prompt
+/// blocks were hashed at submission).
+fn hash_blocks_upto(
+    s: &mut Seq,
+    upto: usize,
+    bs: usize,
+    tok_scratch: &mut Vec<u32>,
+    byte_scratch: &mut Vec<u8>,
+) {
+    while s.hashes.len() < upto {
+        let k = s.hashes.len();
+        let parent = k.checked_sub(1).map(|p| s.hashes[p]);
+        tok_scratch.clear();
+        let (start, end) = ((k * bs) as u32, ((k + 1) * bs) as u32);
+        if start >= s.prompt_len {
+            // All output: generate the tokens directly.
+            let (id, first) = (s.id, start - s.prompt_len);
+            tok_scratch
+                .extend((first..first + (end - start)).map(|p| tokenizer::output_token(id, p)));
+        } else {
+            tok_scratch.extend((start..end).map(|pos| s.token_at(pos)));
+        }
+        let h = hash_block(parent, s.salt, tok_scratch, byte_scratch);
+        s.hashes.push(h);
     }
 }
 

@@ -21,6 +21,19 @@ const VOCAB: [&str; 64] = [
     " far", " fun", " hot", " job",
 ];
 
+/// The token id of each `VOCAB` word, computed at compile time (generating a
+/// token is on the engine's hot path: every output block is hashed).
+const VOCAB_IDS: [u32; 64] = {
+    let mut ids = [0u32; 64];
+    let mut i = 0;
+    while i < VOCAB.len() {
+        let w = VOCAB[i].as_bytes();
+        ids[i] = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+        i += 1;
+    }
+    ids
+};
+
 /// Tokenize `text`: one token per 4-byte chunk, the last partial chunk zero-padded.
 pub fn encode(text: &str) -> Vec<u32> {
     let bytes = text.as_bytes();
@@ -49,8 +62,7 @@ pub fn count(text: &str) -> usize {
 /// same text and a replay reproduces it exactly.
 pub fn output_token(request_id: u64, position: u32) -> u32 {
     let h = splitmix64(request_id ^ (u64::from(position)).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    let word = VOCAB[(h % VOCAB.len() as u64) as usize].as_bytes();
-    u32::from_le_bytes([word[0], word[1], word[2], word[3]])
+    VOCAB_IDS[(h % VOCAB_IDS.len() as u64) as usize]
 }
 
 /// Text for token ids: each id's little-endian bytes, with the zero padding
@@ -86,6 +98,13 @@ mod tests {
     fn vocab_words_are_four_bytes() {
         for w in VOCAB {
             assert_eq!(w.len(), BYTES_PER_TOKEN, "{w:?}");
+        }
+    }
+
+    #[test]
+    fn vocab_ids_are_the_words_encoded() {
+        for (w, &id) in VOCAB.iter().zip(&VOCAB_IDS) {
+            assert_eq!(encode(w), vec![id], "{w:?}");
         }
     }
 

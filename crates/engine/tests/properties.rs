@@ -574,17 +574,26 @@ proptest! {
 /// Role errors surface through the public API (a quick sanity check of the re-exports).
 #[test]
 fn roles_are_enforced() {
-    let mut e = Engine::new(EngineConfig {
-        role: Role::Decode,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    let r = EngineRequest {
-        id: 1,
+    let engine = |role| {
+        Engine::new(EngineConfig {
+            role,
+            ..EngineConfig::default()
+        })
+        .unwrap()
+    };
+    let request = |id, mode| EngineRequest {
+        id,
         prompt_tokens: vec![1, 2, 3].into(),
         max_tokens: 1,
         adapter: None,
-        mode: RequestMode::Normal,
+        mode,
     };
-    assert!(e.submit(r, 0.0).is_err());
+    // A decode instance refuses a prefill leg but runs a plain request whole, as vLLM's do.
+    let mut d = engine(Role::Decode);
+    assert!(d.submit(request(1, RequestMode::PrefillOnly), 0.0).is_err());
+    assert!(d.submit(request(2, RequestMode::Normal), 0.0).is_ok());
+    // A prefill instance runs only prefill legs.
+    let mut p = engine(Role::Prefill);
+    assert!(p.submit(request(3, RequestMode::Normal), 0.0).is_err());
+    assert!(p.submit(request(4, RequestMode::PrefillOnly), 0.0).is_ok());
 }
