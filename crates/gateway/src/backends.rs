@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU8, Ordering};
 
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::Uri;
+use http::{HeaderValue, Uri};
 use serde::{Deserialize, Serialize};
 use switchyard_core::{InstanceId, InstanceSpec, Role};
 use thiserror::Error;
@@ -133,6 +133,8 @@ pub enum SpecError {
 pub struct BaseUrl {
     authority: Authority,
     prefix: String,
+    /// The `Host` header for requests to it (`host:port`, the port left out when 80).
+    host: HeaderValue,
 }
 
 impl BaseUrl {
@@ -152,7 +154,32 @@ impl BaseUrl {
             return Err("the port is required".into());
         }
         let prefix = uri.path().trim_end_matches('/').to_string();
-        Ok(BaseUrl { authority, prefix })
+        let host = match authority.port_u16() {
+            Some(80) => authority.host(),
+            _ => authority.as_str(),
+        };
+        let host = HeaderValue::from_str(host).map_err(|e| format!("{e}"))?;
+        Ok(BaseUrl {
+            authority,
+            prefix,
+            host,
+        })
+    }
+
+    /// The origin-form URI (`/prefix/path?query`) of `path_and_query` on this backend, for a
+    /// request sent with [`crate::upstream::Upstream::send_to`].
+    pub fn origin(&self, path_and_query: &PathAndQuery) -> Result<Uri, http::Error> {
+        let pq = if self.prefix.is_empty() {
+            path_and_query.clone()
+        } else {
+            PathAndQuery::from_str(&format!("{}{}", self.prefix, path_and_query.as_str()))?
+        };
+        Ok(Uri::from(pq))
+    }
+
+    /// The `Host` header for requests to this backend.
+    pub fn host_header(&self) -> &HeaderValue {
+        &self.host
     }
 
     /// The URI of `path_and_query` (starting with `/`) on this backend.

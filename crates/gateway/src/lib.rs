@@ -24,6 +24,7 @@ pub mod discovery;
 pub mod errors;
 pub mod fleet;
 pub mod health;
+mod json;
 pub mod metrics;
 pub mod parse;
 pub mod pd;
@@ -41,7 +42,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use switchyard_core::Router;
 use thiserror::Error;
 use tokio::net::TcpListener;
@@ -121,21 +121,14 @@ pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
         _ => None,
     };
 
-    // Small SSE chunks must not wait for Nagle.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("set_nodelay: {e}");
-        }
-    });
-    let app = server::app(gw.clone());
     let (tx, rx) = oneshot::channel::<()>();
+    let serving = gw.clone();
     let task = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.await;
-            })
-            .await
-            .map_err(GatewayError::Serve)
+        server::serve(listener, serving, async move {
+            let _ = rx.await;
+        })
+        .await
+        .map_err(GatewayError::Serve)
     });
     let placement = gw
         .settings

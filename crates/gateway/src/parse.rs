@@ -13,6 +13,7 @@ use serde::Deserialize;
 use switchyard_core::{ChatMessage, Phase, Prompt, RouteRequest};
 
 use crate::errors::ApiError;
+use crate::json::Scanner;
 
 /// A completion prompt as the router sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -541,6 +542,17 @@ pub fn parse<'a>(
     if first != Some(&b'{') {
         return Err(ApiError::malformed("expected a JSON object"));
     }
+    if let Some(parsed) = parse_fast(body, session_header) {
+        return Ok(parsed);
+    }
+    parse_serde(body, session_header)
+}
+
+/// The general path: every body, every error.
+fn parse_serde<'a>(
+    body: &'a [u8],
+    session_header: Option<&'a str>,
+) -> Result<ParsedRequest<'a>, ApiError> {
     let raw: Raw<'a> = serde_json::from_slice(body).map_err(ApiError::malformed)?;
     let model = match raw.model {
         Some(m) if !m.is_empty() => m,
@@ -561,6 +573,139 @@ pub fn parse<'a>(
         cache_salt: raw.cache_salt,
         session_id: session_header.map(Cow::Borrowed).or(raw.user),
     })
+}
+
+/// The common request shapes without serde: string fields, messages with string contents,
+/// booleans and integers where expected. `None` for anything else (including every body
+/// `parse` refuses), which then goes through serde_json: the result is the same either way.
+fn parse_fast<'a>(body: &'a [u8], session_header: Option<&'a str>) -> Option<ParsedRequest<'a>> {
+    const MODEL: u16 = 1;
+    const PROMPT: u16 = 1 << 1;
+    const INPUT: u16 = 1 << 2;
+    const MESSAGES: u16 = 1 << 3;
+    const STREAM: u16 = 1 << 4;
+    const STREAM_OPTIONS: u16 = 1 << 5;
+    const MAX_TOKENS: u16 = 1 << 6;
+    const MAX_COMPLETION_TOKENS: u16 = 1 << 7;
+    const CACHE_SALT: u16 = 1 << 8;
+    const USER: u16 = 1 << 9;
+    let mut s = Scanner::new(body);
+    let mut seen = 0u16;
+    let mut model = None;
+    let mut prompt = None;
+    let mut input = None;
+    let mut messages = None;
+    let mut stream = None;
+    let mut stream_options: Option<bool> = None;
+    let mut max_tokens = None;
+    let mut max_completion_tokens = None;
+    let mut cache_salt = None;
+    let mut user = None;
+    let hint = |v: Option<u64>| v.map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+    s.object(|s, key| {
+        let field = match key {
+            b"model" => MODEL,
+            b"prompt" => PROMPT,
+            b"input" => INPUT,
+            b"messages" => MESSAGES,
+            b"stream" => STREAM,
+            b"stream_options" => STREAM_OPTIONS,
+            b"max_tokens" => MAX_TOKENS,
+            b"max_completion_tokens" => MAX_COMPLETION_TOKENS,
+            b"cache_salt" => CACHE_SALT,
+            b"user" => USER,
+            _ => return s.skip(),
+        };
+        // serde refuses a duplicate field: let it say so.
+        if seen & field != 0 {
+            return None;
+        }
+        seen |= field;
+        match field {
+            MODEL => model = s.opt_string()?,
+            PROMPT => prompt = s.opt_string()?.map(PromptText::Text),
+            INPUT => input = s.opt_string()?.map(PromptText::Text),
+            MESSAGES => messages = fast_messages(s)?,
+            STREAM => {
+                stream = if s.null() { None } else { Some(s.boolean()?) };
+            }
+            STREAM_OPTIONS => stream_options = Some(fast_stream_options(s)?),
+            MAX_TOKENS => max_tokens = hint(s.opt_uint()?),
+            MAX_COMPLETION_TOKENS => max_completion_tokens = hint(s.opt_uint()?),
+            CACHE_SALT => cache_salt = s.opt_string()?,
+            _ => user = s.opt_string()?,
+        }
+        Some(())
+    })?;
+    if !s.at_end() {
+        return None;
+    }
+    let model = model.filter(|m| !m.is_empty())?;
+    Some(ParsedRequest {
+        model,
+        prompt: prompt.or(input).unwrap_or_default(),
+        messages,
+        stream: stream.unwrap_or(false),
+        has_stream_options: stream_options.is_some(),
+        include_usage: stream_options.unwrap_or(false),
+        max_tokens: max_completion_tokens.or(max_tokens),
+        cache_salt,
+        session_id: session_header.map(Cow::Borrowed).or(user),
+    })
+}
+
+/// `messages` as [`Messages`] reads it, for `null` or an array of objects (or `null`s) whose
+/// `role` is a string and `content` a string or `null`.
+fn fast_messages<'a>(s: &mut Scanner<'a>) -> Option<Option<Vec<Message<'a>>>> {
+    if s.null() {
+        return Some(None);
+    }
+    let mut out = Vec::with_capacity(4);
+    s.array(|s| {
+        if s.null() {
+            return Some(());
+        }
+        let (mut role, mut content) = (None, None);
+        let (mut has_role, mut has_content) = (false, false);
+        s.object(|s, key| match key {
+            b"role" if !has_role => {
+                has_role = true;
+                role = s.opt_string()?;
+                Some(())
+            }
+            b"content" if !has_content => {
+                has_content = true;
+                content = s.opt_string()?;
+                Some(())
+            }
+            b"role" | b"content" => None,
+            _ => s.skip(),
+        })?;
+        out.push(Message {
+            role: role.unwrap_or(Cow::Borrowed("")),
+            content: content.unwrap_or(Cow::Borrowed("")),
+        });
+        Some(())
+    })?;
+    Some(Some(out))
+}
+
+/// `stream_options` as [`StreamOptions`] reads it (`include_usage`), for `null` or an object
+/// whose `include_usage`, if any, is a boolean or `null`.
+fn fast_stream_options(s: &mut Scanner<'_>) -> Option<bool> {
+    if s.null() {
+        return Some(false);
+    }
+    let mut include_usage = false;
+    s.object(|s, key| {
+        if key == b"include_usage" {
+            include_usage = if s.null() { false } else { s.boolean()? };
+            Some(())
+        } else {
+            s.skip()
+        }
+    })?;
+    Some(include_usage)
 }
 
 impl ParsedRequest<'_> {
@@ -755,5 +900,123 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["stream_options"]["include_usage"], true);
         assert!(with_include_usage(b"[1]").is_none());
+    }
+}
+
+#[cfg(test)]
+mod fast_path_tests {
+    use super::*;
+    use crate::json::gen::{self, Rng};
+
+    const KEYS: &[&str] = &[
+        "model",
+        "prompt",
+        "input",
+        "messages",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "cache_salt",
+        "user",
+    ];
+
+    fn message(r: &mut Rng) -> String {
+        match r.below(10) {
+            0 => "null".to_string(),
+            1 => gen::value(r, 2),
+            _ => {
+                let fields = r.below(4);
+                gen::object(r, &["role", "content"], fields, |r, k| match k {
+                    "role" if r.chance(85) => gen::pick_role(r),
+                    "content" if r.chance(80) => gen::string(r),
+                    "content" if r.chance(50) => {
+                        r#"[{"type":"text","text":"a"},{"type":"text","text":"b"}]"#.to_string()
+                    }
+                    _ => gen::value(r, 2),
+                })
+            }
+        }
+    }
+
+    fn body(r: &mut Rng) -> String {
+        let fields = r.below(5);
+        let rest = gen::object(r, KEYS, fields, |r, k| match k {
+            "model" if r.chance(90) => r.pick(&["\"m\"", "\"\"", "\"lora-1\""]).to_string(),
+            "messages" if r.chance(85) => {
+                let n = r.below(4);
+                let items: Vec<String> = (0..n).map(|_| message(r)).collect();
+                format!("[{}]", items.join(","))
+            }
+            "stream" if r.chance(80) => r.pick(&["true", "false", "null"]).to_string(),
+            "stream_options" if r.chance(80) => r
+                .pick(&[
+                    "{\"include_usage\":true}",
+                    "{\"include_usage\":false,\"x\":[1]}",
+                    "{}",
+                    "null",
+                    "{\"include_usage\":null}",
+                    "{\"include_usage\":1}",
+                    "{\"include_usage\":true,\"include_usage\":false}",
+                ])
+                .to_string(),
+            "max_tokens" | "max_completion_tokens" if r.chance(80) => gen::number(r).to_string(),
+            _ if r.chance(60) => gen::string(r),
+            _ => gen::value(r, 1),
+        });
+        // Most bodies name a model first (without one, the fast path never applies).
+        match (r.chance(85), rest.trim().strip_prefix('{')) {
+            (true, Some(inner)) if inner.trim_start().starts_with('}') => {
+                format!("{{\"model\":\"m\"{inner}")
+            }
+            (true, Some(inner)) => format!("{{\"model\":\"m\",{inner}"),
+            _ => rest,
+        }
+    }
+
+    /// Whatever the fast path accepts, serde_json accepts too, with the same result.
+    #[test]
+    fn fast_path_agrees_with_serde() {
+        let mut r = Rng(0x5eed_1234_abcd_0001);
+        let (mut fast, mut total) = (0, 0);
+        for i in 0..40_000 {
+            let mut text = body(&mut r).into_bytes();
+            if i % 3 == 0 {
+                text = gen::mutate(&mut r, &text);
+            }
+            let session = (i % 7 == 0).then_some("hdr");
+            total += 1;
+            if let Some(f) = parse_fast(&text, session) {
+                fast += 1;
+                let s = parse_serde(&text, session).unwrap_or_else(|e| {
+                    panic!("serde refuses {}: {e:?}", String::from_utf8_lossy(&text))
+                });
+                assert_eq!(f, s, "{}", String::from_utf8_lossy(&text));
+            }
+        }
+        assert!(
+            fast * 10 > total,
+            "the fast path took only {fast} of {total}"
+        );
+    }
+
+    #[test]
+    fn fast_path_takes_the_common_shapes() {
+        for body in [
+            r#"{"model":"m","messages":[{"role":"system","content":"be\nbrief"},{"role":"user","content":"hi \"there\""}],"max_tokens":4}"#,
+            r#"{"model":"m","prompt":"hello","stream":true,"stream_options":{"include_usage":true},"max_completion_tokens":9,"user":"u","cache_salt":"s","temperature":0.5,"tools":[{"a":null}]}"#,
+            r#" {"model":"m","input":"embed me"} "#,
+        ] {
+            let f = parse_fast(body.as_bytes(), None).expect(body);
+            assert_eq!(f, parse_serde(body.as_bytes(), None).unwrap());
+        }
+        let words = vec!["abc"; 2048].join(" ");
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"{words}"}}],"max_tokens":4}}"#
+        );
+        let f = parse_fast(body.as_bytes(), None).unwrap();
+        assert!(
+            matches!(&f.messages.as_ref().unwrap()[0].content, Cow::Borrowed(c) if c.len() == words.len())
+        );
     }
 }

@@ -11,6 +11,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::header::{self, HeaderName};
 use http::request::Parts;
+use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Request, StatusCode};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use switchyard_core::{
@@ -77,7 +78,11 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
-async fn read_body(body: Body, limit: usize, headers: &HeaderMap) -> Result<Bytes, ApiError> {
+async fn read_body<B>(body: B, limit: usize, headers: &HeaderMap) -> Result<Bytes, ApiError>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -132,8 +137,10 @@ impl Routed {
     }
 }
 
+// Not boxed: the step is moved once per request, and boxing it cost an allocation.
+#[allow(clippy::large_enum_variant)]
 enum RouteStep {
-    Go(Box<Routed>),
+    Go(Routed),
     Saturated,
     NoBackend,
 }
@@ -146,22 +153,27 @@ fn route_once(
     rid: RequestId,
 ) -> Result<RouteStep, ApiError> {
     let max = gw.settings.max_retries as usize + 1;
-    let now = gw.now();
     let mut guard = gw.brain.lock();
+    // One clock read for the router's time and the decision timer.
+    let t0 = Instant::now();
+    let now = gw.seconds_at(t0);
     let brain = &mut *guard;
-    let mut ids: Vec<InstanceId> = Vec::with_capacity(max);
+    let mut candidates: Vec<Arc<Backend>> = Vec::with_capacity(max);
     let (decision, prompt_tokens) = if endpoint == Endpoint::Embeddings {
         let prompt_tokens = parsed.with_route_request("", None, |r| r.prompt.rendered_len()) / 4;
-        ids = brain
+        let ids = brain
             .least_loaded(&parsed.model, rid.0)
             .map_err(|RouteError::UnknownModel(m)| ApiError::unknown_model(&m))?;
-        ids.truncate(max);
+        candidates.extend(
+            ids.iter()
+                .take(max)
+                .filter_map(|&id| brain.backend(id).cloned()),
+        );
         (
             None,
             u32::try_from(prompt_tokens).unwrap_or(u32::MAX).max(1),
         )
     } else {
-        let t0 = Instant::now();
         let decision = brain
             .route(parsed, now)
             .map_err(|_| ApiError::unknown_model(&parsed.model))?;
@@ -175,15 +187,16 @@ fn route_once(
                 RouteStep::NoBackend
             });
         }
-        ids.extend(decision.ranked_candidates().take(max).map(|c| c.instance));
+        candidates.extend(
+            decision
+                .ranked_candidates()
+                .take(max)
+                .filter_map(|c| brain.backend(c.instance).cloned()),
+        );
         let tokens = decision.prompt_tokens;
         (Some(decision), tokens)
     };
-    let candidates: Vec<Arc<Backend>> = ids
-        .iter()
-        .filter_map(|&id| brain.backend(id).cloned())
-        .collect();
-    let Some(first) = candidates.first() else {
+    let Some(first) = candidates.first().map(|b| b.id) else {
         return Ok(RouteStep::NoBackend);
     };
     let explain = gw
@@ -202,20 +215,20 @@ fn route_once(
     let routed = Routed {
         rid,
         decision,
-        candidates: candidates.clone(),
+        candidates,
         prompt_tokens,
         explain,
     };
-    let plan = routed.plan_for(first.id);
+    let plan = routed.plan_for(first);
     brain.observe(
         Observation::Routed {
             request: rid,
-            instance: first.id,
+            instance: first,
             plan,
         },
         now,
     );
-    Ok(RouteStep::Go(Box::new(routed)))
+    Ok(RouteStep::Go(routed))
 }
 
 impl crate::state::Brain {
@@ -250,14 +263,21 @@ async fn route(
     endpoint: Endpoint,
     rid: RequestId,
 ) -> Result<Routed, ApiError> {
-    let step = route_once(gw, parsed, endpoint, rid)?;
-    let step = match step {
-        RouteStep::Go(r) => return Ok(*r),
-        s => s,
-    };
-    if matches!(step, RouteStep::NoBackend) {
-        return Err(ApiError::no_backend(&parsed.model));
+    match route_once(gw, parsed, endpoint, rid)? {
+        RouteStep::Go(r) => Ok(r),
+        RouteStep::NoBackend => Err(ApiError::no_backend(&parsed.model)),
+        // Rare: boxed, so the common request's future stays small.
+        RouteStep::Saturated => Box::pin(queue(gw, parsed, endpoint, rid)).await,
     }
+}
+
+/// Waits in the admission queue, re-routing whenever capacity may have freed up.
+async fn queue(
+    gw: &Gateway,
+    parsed: &ParsedRequest<'_>,
+    endpoint: Endpoint,
+    rid: RequestId,
+) -> Result<Routed, ApiError> {
     let retry_after = gw.settings.queue_timeout.as_secs().clamp(1, 60) as u32;
     let Some(_place) = gw
         .admission
@@ -271,7 +291,7 @@ async fn route(
             return Err(ApiError::shutting_down());
         }
         match route_once(gw, parsed, endpoint, rid)? {
-            RouteStep::Go(r) => return Ok(*r),
+            RouteStep::Go(r) => return Ok(r),
             RouteStep::Saturated => {}
             RouteStep::NoBackend => return Err(ApiError::no_backend(&parsed.model)),
         }
@@ -290,6 +310,8 @@ fn hop_by_hop(name: &HeaderName) -> bool {
         || name.as_str() == "keep-alive"
 }
 
+/// The request for `backend`: origin-form URI (its path prefix added), the client's headers
+/// but hop-by-hop ones, `Host`, `content-length` and our `x-request-id`.
 fn upstream_request(
     backend: &Backend,
     parts: &Parts,
@@ -297,14 +319,16 @@ fn upstream_request(
     request_id: &HeaderValue,
     strip_auth: bool,
 ) -> Result<Request<Full<Bytes>>, http::Error> {
-    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    let uri = backend.base.uri(pq)?;
+    let root = PathAndQuery::from_static("/");
+    let uri = backend
+        .base
+        .origin(parts.uri.path_and_query().unwrap_or(&root))?;
     let len = body.len();
     let mut request = Request::new(Full::new(body));
     *request.method_mut() = parts.method.clone();
     *request.uri_mut() = uri;
     let headers = request.headers_mut();
-    headers.reserve(parts.headers.len() + 2);
+    headers.reserve(parts.headers.len() + 3);
     for (name, value) in &parts.headers {
         if hop_by_hop(name)
             || name == header::HOST
@@ -320,11 +344,16 @@ fn upstream_request(
     }
     headers.insert(REQUEST_ID.clone(), request_id.clone());
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    headers.insert(header::HOST, backend.base.host_header().clone());
     Ok(request)
 }
 
 /// Serves one OpenAI request end to end.
-pub async fn handle(gw: Arc<Gateway>, endpoint: Endpoint, request: Request<Body>) -> Response {
+pub async fn handle<B>(gw: Arc<Gateway>, endpoint: Endpoint, request: Request<B>) -> Response
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let started = Instant::now();
     let rid = gw.next_request();
     let (parts, body) = request.into_parts();
@@ -368,7 +397,17 @@ pub async fn handle(gw: Arc<Gateway>, endpoint: Endpoint, request: Request<Body>
         .is_some_and(Decision::is_disaggregated)
     {
         let inject = gw.settings.inject_usage;
-        return crate::pd::serve(&gw, routed, &parts, &bytes, &request_id, inject, started).await;
+        // Boxed: a large future most requests never need.
+        return Box::pin(crate::pd::serve(
+            &gw,
+            routed,
+            &parts,
+            &bytes,
+            &request_id,
+            inject,
+            started,
+        ))
+        .await;
     }
     forward(
         &gw,
@@ -384,7 +423,8 @@ pub async fn handle(gw: Arc<Gateway>, endpoint: Endpoint, request: Request<Body>
 
 /// The first answer from the candidates that is not a retryable failure, with its guard, or
 /// the error to send when every attempt failed.
-pub(crate) type Attempt = Result<(RequestGuard, http::Response<hyper::body::Incoming>), ApiError>;
+pub(crate) type Attempt =
+    Result<(RequestGuard, http::Response<crate::upstream::UpstreamBody>), ApiError>;
 
 /// Tries the candidates in order (the first already recorded as `Routed`): a failure before
 /// the response moves on to the next; the last candidate's answer is returned whatever it is.
@@ -415,7 +455,8 @@ pub(crate) async fn attempt(
                 .map_err(ApiError::bad_gateway)?;
             let sent = tokio::time::timeout(
                 gw.settings.upstream_timeout,
-                gw.upstream.send(fresh, request),
+                gw.upstream
+                    .send_to(fresh, backend.base.authority(), request),
             )
             .await;
             let response = match sent {
@@ -508,7 +549,7 @@ pub(crate) fn respond(
     gw: &Arc<Gateway>,
     routed: &Routed,
     mut guard: RequestGuard,
-    response: http::Response<hyper::body::Incoming>,
+    response: http::Response<crate::upstream::UpstreamBody>,
     request_id: &HeaderValue,
     strip_usage: bool,
     started: Instant,
@@ -563,6 +604,13 @@ trait RetainHopByHop {
 
 impl RetainHopByHop for HeaderMap {
     fn retain_hop_by_hop(&mut self) {
+        // Usually there is none: one look at the few names beats seven removals.
+        if !self
+            .keys()
+            .any(|name| hop_by_hop(name) && name != header::PROXY_AUTHORIZATION)
+        {
+            return;
+        }
         for name in [
             header::CONNECTION,
             header::TRANSFER_ENCODING,

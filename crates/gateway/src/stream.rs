@@ -9,13 +9,13 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 use switchyard_core::{Observation, RequestId, Usage};
 
 use crate::backends::{Backend, InFlightGuard};
 use crate::state::Gateway;
+use crate::upstream::UpstreamBody;
 
 /// One request routed to one backend: reports `Failed` to the router when dropped before it
 /// was settled (client disconnect, error, timeout), so the router never leaks an in-flight entry.
@@ -268,12 +268,16 @@ impl SseScanner {
     }
 }
 
-/// Largest JSON response body copied to read its usage.
+/// Largest JSON response body whose usage is read.
 const JSON_COPY_LIMIT: usize = 8 << 20;
 
 enum Scan {
     Sse(SseScanner),
-    Json(Vec<u8>),
+    /// A JSON body: copied when it comes in several frames, else read in place.
+    Json {
+        buf: Vec<u8>,
+        usage: Option<Usage>,
+    },
 }
 
 /// What the tracker needs to settle the request.
@@ -286,7 +290,8 @@ struct Track {
 }
 
 impl Track {
-    fn on_data(&mut self, data: Bytes) -> Bytes {
+    /// One data frame; `last`: the body ends with it.
+    fn on_data(&mut self, data: Bytes, last: bool) -> Bytes {
         if !self.first_seen {
             self.first_seen = true;
             self.guard.first_token();
@@ -298,8 +303,11 @@ impl Track {
         }
         match &mut self.scan {
             Scan::Sse(s) => s.feed(data),
-            Scan::Json(buf) => {
-                if buf.len() + data.len() <= JSON_COPY_LIMIT {
+            Scan::Json { buf, usage } => {
+                if last && buf.is_empty() && data.len() <= JSON_COPY_LIMIT {
+                    // The whole body in one frame (the usual non-streamed answer): no copy.
+                    *usage = read_usage(&data).map(|(u, _)| u);
+                } else if buf.len() + data.len() <= JSON_COPY_LIMIT {
                     buf.extend_from_slice(&data);
                 }
                 data
@@ -313,7 +321,14 @@ impl Track {
                 let rest = s.finish();
                 (rest, s.usage)
             }
-            Scan::Json(buf) => (Bytes::new(), read_usage(buf).map(|(u, _)| u)),
+            Scan::Json { buf, usage } => (
+                Bytes::new(),
+                if buf.is_empty() {
+                    *usage
+                } else {
+                    read_usage(buf).map(|(u, _)| u)
+                },
+            ),
         };
         let m = &self.guard.backend.metrics;
         m.e2e.observe(self.started.elapsed().as_secs_f64());
@@ -341,7 +356,7 @@ impl Drop for Track {
 
 /// The body passed to the client.
 pub struct ObservedBody {
-    inner: Incoming,
+    inner: UpstreamBody,
     track: Option<Track>,
     /// Keeps the backend's in-flight count for bodies that are not tracked (errors).
     _guard: Option<RequestGuard>,
@@ -352,7 +367,7 @@ impl ObservedBody {
     /// A tracked 2xx body: `sse` picks the scanner; `strip_usage` removes the usage chunk we
     /// asked for; `predicted_cached` is the router's prediction for the metrics.
     pub fn tracked(
-        inner: Incoming,
+        inner: UpstreamBody,
         guard: RequestGuard,
         started: Instant,
         sse: bool,
@@ -362,7 +377,10 @@ impl ObservedBody {
         let scan = if sse {
             Scan::Sse(SseScanner::new(strip_usage))
         } else {
-            Scan::Json(Vec::new())
+            Scan::Json {
+                buf: Vec::new(),
+                usage: None,
+            }
         };
         ObservedBody {
             inner,
@@ -379,7 +397,7 @@ impl ObservedBody {
     }
 
     /// An untracked body (an engine error passed through); the guard was settled already.
-    pub fn passthrough(inner: Incoming, guard: RequestGuard) -> Self {
+    pub fn passthrough(inner: UpstreamBody, guard: RequestGuard) -> Self {
         ObservedBody {
             inner,
             track: None,
@@ -410,10 +428,11 @@ impl Body for ObservedBody {
                     };
                     let frame = match frame.into_data() {
                         Ok(data) => {
-                            let mut out = track.on_data(data);
+                            let last = this.inner.is_end_stream();
+                            let mut out = track.on_data(data, last);
                             // A body with a known length ends with its last byte: the server
                             // may never poll again, so settle now.
-                            if this.inner.is_end_stream() {
+                            if last {
                                 this.done = true;
                                 let rest = track.on_end();
                                 if !rest.is_empty() {

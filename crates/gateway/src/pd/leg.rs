@@ -10,7 +10,6 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use switchyard_core::Observation;
 
 use crate::backends::Backend;
@@ -18,6 +17,7 @@ use crate::errors::ApiError;
 use crate::proxy::{attempt, Routed};
 use crate::state::Gateway;
 use crate::stream::RequestGuard;
+use crate::upstream::UpstreamBody;
 
 /// Largest part of a failed answer read to quote the engine's message.
 const ERROR_BODY_LIMIT: usize = 8 << 10;
@@ -27,7 +27,7 @@ const ERROR_BODY_WAIT: Duration = Duration::from_secs(1);
 /// What one try gave.
 pub(crate) enum Try {
     /// An answer for the client's side of things: 2xx, or a 4xx (not 429) to pass through.
-    Answered(RequestGuard, http::Response<Incoming>),
+    Answered(RequestGuard, http::Response<UpstreamBody>),
     /// The candidate failed before answering; recorded, and the leg moved on.
     Failed,
     /// Give up: the leg has no candidate left, or the engine did not answer in time.
@@ -208,7 +208,7 @@ pub(crate) fn exhausted(
 }
 
 /// ` (message)` from an engine's error answer, when it reads as OpenAI's error shape in time.
-async fn engine_message(response: http::Response<Incoming>) -> String {
+async fn engine_message(response: http::Response<UpstreamBody>) -> String {
     let read = tokio::time::timeout(
         ERROR_BODY_WAIT,
         Limited::new(response.into_body(), ERROR_BODY_LIMIT).collect(),

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use serde_json::{json, Map, Value};
 
 use super::leg::{Leg, Try};
@@ -23,6 +22,7 @@ use crate::errors::ApiError;
 use crate::proxy::{reject, respond, Routed};
 use crate::state::Gateway;
 use crate::stream::{read_usage, RequestGuard};
+use crate::upstream::UpstreamBody;
 
 /// Largest prefill answer read.
 const PREFILL_BODY_LIMIT: usize = 4 << 20;
@@ -142,7 +142,7 @@ enum Unusable {
 async fn read_hand_off(
     gw: &Gateway,
     mut guard: RequestGuard,
-    response: http::Response<Incoming>,
+    response: http::Response<UpstreamBody>,
     started: std::time::Instant,
 ) -> Result<(Value, Arc<crate::backends::Backend>), Unusable> {
     let backend = guard.backend.clone();

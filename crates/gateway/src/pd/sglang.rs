@@ -23,7 +23,6 @@ use axum::response::Response;
 use bytes::Bytes;
 use http::header;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use serde_json::{json, Map, Value};
 use tokio::task::JoinHandle;
 
@@ -34,6 +33,7 @@ use crate::errors::ApiError;
 use crate::proxy::{reject, respond, Routed};
 use crate::state::Gateway;
 use crate::stream::{ObservedBody, RequestGuard};
+use crate::upstream::UpstreamBody;
 
 /// Where the decode finds the prefill's KV, and the room pairing the two.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,9 +151,9 @@ enum Side {
 /// How one pair ended.
 enum Pair {
     /// Both legs answered 2xx: the decode's answer, for the client (the prefill's is drained).
-    Answered(RequestGuard, http::Response<Incoming>),
+    Answered(RequestGuard, http::Response<UpstreamBody>),
     /// A leg answered 4xx: for the client.
-    Refused(Side, RequestGuard, http::Response<Incoming>),
+    Refused(Side, RequestGuard, http::Response<UpstreamBody>),
     /// A leg failed (recorded by its [`Leg`]); the other was dropped. Run a new pair.
     Failed,
     /// Give up (a leg timed out or has no candidate left).
@@ -182,7 +182,7 @@ async fn run_pair(
     let d = decode.try_current(req.parts, body, req.request_id);
     tokio::pin!(p, d);
     let mut drain: Option<Drain> = None;
-    let mut decoded: Option<(RequestGuard, http::Response<Incoming>)> = None;
+    let mut decoded: Option<(RequestGuard, http::Response<UpstreamBody>)> = None;
     loop {
         tokio::select! {
             r = &mut p, if drain.is_none() => match r {
@@ -223,7 +223,7 @@ impl Drain {
     fn start(
         gw: &Gateway,
         guard: RequestGuard,
-        response: http::Response<Incoming>,
+        response: http::Response<UpstreamBody>,
         started: Instant,
         predicted: u32,
     ) -> Self {
