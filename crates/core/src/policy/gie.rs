@@ -14,6 +14,7 @@ use super::routed_prefixes::RoutedPrefixes;
 use super::{Policy, ScoringContext, TieBreak};
 use crate::config::GieConfig;
 use crate::decision::Candidate;
+use crate::fleet::Instance;
 use crate::prefix::Slot;
 
 /// The GIE-style weighted-scorer policy with its own prefix LRU.
@@ -49,52 +50,67 @@ impl Policy for Gie {
         candidates: &mut [Candidate],
         rng: &mut SmallRng,
     ) {
-        if candidates.is_empty() {
-            return;
-        }
-        let stale = ctx.config.estimates.metrics_stale_after_s;
-        self.prefix.hash(ctx);
-        self.prefix.lookup(ctx);
-        let metrics: Vec<(f64, f64)> = candidates
-            .iter()
-            .map(|c| {
-                ctx.instance(c)
-                    .fresh_metrics(ctx.now, stale)
-                    .map_or((0.0, 0.0), |m| {
-                        (f64::from(m.waiting), m.kv_usage.unwrap_or(0.0))
-                    })
-            })
-            .collect();
-        let max_q = metrics.iter().map(|m| m.0).fold(f64::MIN, f64::max);
-        let min_q = metrics.iter().map(|m| m.0).fold(f64::MAX, f64::min);
-        let total_blocks = self.prefix.prompt_blocks().max(1) as f64;
-        let mut best = f64::MIN;
-        for (c, (queue, kv)) in candidates.iter_mut().zip(&metrics) {
-            let queue_score = if max_q > min_q {
-                (max_q - queue) / (max_q - min_q)
-            } else {
-                1.0
-            };
-            let kv_score = 1.0 - kv.clamp(0.0, 1.0);
-            let held = self.prefix.depth(c.instance.slot);
-            let prefix_score = f64::from(held) / total_blocks;
-            let total = self.config.queue_weight * queue_score
-                + self.config.kv_cache_weight * kv_score
-                + self.config.prefix_weight * prefix_score;
-            c.terms.matched_blocks = held;
-            c.score = -total;
-            best = best.max(total);
-        }
-        // The max-score picker: uniform among the top scores.
-        let top: Vec<usize> = (0..candidates.len())
-            .filter(|&i| -candidates[i].score >= best)
-            .collect();
-        let pick = top[rng.random_range(0..top.len())];
-        candidates[pick].score -= 1e-9;
-        self.prefix.record(candidates[pick].instance.slot);
+        score_weighted(&self.config, &mut self.prefix, ctx, candidates, rng, |_| {
+            0.0
+        });
     }
 
     fn forget_instance(&mut self, slot: Slot) {
         self.prefix.forget(slot);
     }
+}
+
+/// The extension's weighted scorers (queue, KV, prefix) plus `extra` per instance, then the
+/// max-score picker (uniform among the top scores); the pick's prompt is recorded as routed.
+pub(super) fn score_weighted(
+    config: &GieConfig,
+    prefix: &mut RoutedPrefixes,
+    ctx: &ScoringContext<'_>,
+    candidates: &mut [Candidate],
+    rng: &mut SmallRng,
+    extra: impl Fn(&Instance) -> f64,
+) {
+    if candidates.is_empty() {
+        return;
+    }
+    let stale = ctx.config.estimates.metrics_stale_after_s;
+    prefix.hash(ctx);
+    prefix.lookup(ctx);
+    let metrics: Vec<(f64, f64)> = candidates
+        .iter()
+        .map(|c| {
+            ctx.instance(c)
+                .fresh_metrics(ctx.now, stale)
+                .map_or((0.0, 0.0), |m| {
+                    (f64::from(m.waiting), m.kv_usage.unwrap_or(0.0))
+                })
+        })
+        .collect();
+    let max_q = metrics.iter().map(|m| m.0).fold(f64::MIN, f64::max);
+    let min_q = metrics.iter().map(|m| m.0).fold(f64::MAX, f64::min);
+    let total_blocks = prefix.prompt_blocks().max(1) as f64;
+    let mut best = f64::MIN;
+    for (c, (queue, kv)) in candidates.iter_mut().zip(&metrics) {
+        let queue_score = if max_q > min_q {
+            (max_q - queue) / (max_q - min_q)
+        } else {
+            1.0
+        };
+        let kv_score = 1.0 - kv.clamp(0.0, 1.0);
+        let held = prefix.depth(c.instance.slot);
+        let prefix_score = f64::from(held) / total_blocks;
+        let total = config.queue_weight * queue_score
+            + config.kv_cache_weight * kv_score
+            + config.prefix_weight * prefix_score
+            + extra(ctx.instance(c));
+        c.terms.matched_blocks = held;
+        c.score = -total;
+        best = best.max(total);
+    }
+    let top: Vec<usize> = (0..candidates.len())
+        .filter(|&i| -candidates[i].score >= best)
+        .collect();
+    let pick = top[rng.random_range(0..top.len())];
+    candidates[pick].score -= 1e-9;
+    prefix.record(candidates[pick].instance.slot);
 }

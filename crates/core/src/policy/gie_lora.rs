@@ -19,8 +19,8 @@
 //! the pick, as in the extension.
 
 use rand::rngs::SmallRng;
-use rand::Rng;
 
+use super::gie::score_weighted;
 use super::routed_prefixes::RoutedPrefixes;
 use super::{Policy, ScoringContext, TieBreak};
 use crate::config::GieConfig;
@@ -93,52 +93,12 @@ impl Policy for GieLora {
         candidates: &mut [Candidate],
         rng: &mut SmallRng,
     ) {
-        if candidates.is_empty() {
-            return;
-        }
         let stale = ctx.config.estimates.metrics_stale_after_s;
         let target = ctx.request.adapter.unwrap_or(ctx.request.model);
-        self.prefix.hash(ctx);
-        self.prefix.lookup(ctx);
-        let metrics: Vec<(f64, f64)> = candidates
-            .iter()
-            .map(|c| {
-                ctx.instance(c)
-                    .fresh_metrics(ctx.now, stale)
-                    .map_or((0.0, 0.0), |m| {
-                        (f64::from(m.waiting), m.kv_usage.unwrap_or(0.0))
-                    })
-            })
-            .collect();
-        let max_q = metrics.iter().map(|m| m.0).fold(f64::MIN, f64::max);
-        let min_q = metrics.iter().map(|m| m.0).fold(f64::MAX, f64::min);
-        let total_blocks = self.prefix.prompt_blocks().max(1) as f64;
-        let mut best = f64::MIN;
-        for (c, (queue, kv)) in candidates.iter_mut().zip(&metrics) {
-            let queue_score = if max_q > min_q {
-                (max_q - queue) / (max_q - min_q)
-            } else {
-                1.0
-            };
-            let kv_score = 1.0 - kv.clamp(0.0, 1.0);
-            let held = self.prefix.depth(c.instance.slot);
-            let prefix_score = f64::from(held) / total_blocks;
-            let lora_score = lora_affinity(ctx.instance(c), target, ctx.now, stale);
-            let total = self.config.queue_weight * queue_score
-                + self.config.kv_cache_weight * kv_score
-                + self.config.prefix_weight * prefix_score
-                + self.config.lora_affinity_weight * lora_score;
-            c.terms.matched_blocks = held;
-            c.score = -total;
-            best = best.max(total);
-        }
-        // The max-score picker: uniform among the top scores.
-        let top: Vec<usize> = (0..candidates.len())
-            .filter(|&i| -candidates[i].score >= best)
-            .collect();
-        let pick = top[rng.random_range(0..top.len())];
-        candidates[pick].score -= 1e-9;
-        self.prefix.record(candidates[pick].instance.slot);
+        let weight = self.config.lora_affinity_weight;
+        score_weighted(&self.config, &mut self.prefix, ctx, candidates, rng, |i| {
+            weight * lora_affinity(i, target, ctx.now, stale)
+        });
     }
 
     fn forget_instance(&mut self, slot: Slot) {
