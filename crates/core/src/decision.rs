@@ -165,12 +165,15 @@ impl Decision {
         for c in self.ranked_candidates().take(top) {
             let t = &c.terms;
             parts.push(format!(
-                "{} score={:.4} wait={:.4} prefill={:.4} adapter={:.3} cached={} uncached={}",
+                "{} score={:.4} wait={:.4} prefill={:.4} adapter={:.3} transfer={:.4} \
+                 protect={:.4} cached={} uncached={}",
                 name(c.instance),
                 c.score,
                 t.wait_s,
                 t.prefill_s,
                 t.adapter_s,
+                t.transfer_s,
+                t.decode_penalty_s + t.kv_penalty_s,
                 t.cached_tokens,
                 t.uncached_tokens
             ));

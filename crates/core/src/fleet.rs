@@ -3,7 +3,7 @@
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-use crate::prefix::Slot;
+use crate::prefix::{CacheSurvival, Slot};
 
 /// Stable handle of an instance; a removed instance's handle never matches a later one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -149,6 +149,10 @@ pub struct Learned {
     pub cache_trust: f64,
     /// Mean uncached prompt tokens per request sent here (to price engine-reported queues).
     pub mean_uncached_tokens: f64,
+    /// How likely an indexed block is still held, by age, from the cached tokens reported.
+    pub survival: CacheSurvival,
+    /// Share of prompt tokens the engine reported served from its cache (moving average).
+    pub hit_share: f64,
 }
 
 /// Adapters believed resident on the accelerator, most recently used first.
@@ -379,6 +383,8 @@ mod tests {
             service_time_s: 1.0,
             cache_trust: 1.0,
             mean_uncached_tokens: 100.0,
+            survival: Default::default(),
+            hit_share: 0.0,
         }
     }
 

@@ -107,6 +107,8 @@ mod tests {
             service_time_s: 10.0,
             cache_trust: 1.0,
             mean_uncached_tokens: 1000.0,
+            survival: Default::default(),
+            hit_share: 0.0,
         }
     }
 

@@ -41,6 +41,8 @@ struct InFlight {
     predicted_cached_tokens: u32,
     /// Touch sequence of each matched block when the request was routed.
     matched_seqs: Vec<u64>,
+    /// The instance's touch sequence when the request was routed (ages are counted from it).
+    route_seq: u64,
     /// Oldest insert still awaiting its first token on the instance when this one was routed.
     pending_floor: Option<u64>,
     /// Key of this request in the instance's pending set.
@@ -60,6 +62,9 @@ pub struct Router {
     /// Per slot, the inserts whose requests have not produced a first token: (seq, request).
     pending_inserts: Vec<BTreeSet<(u64, u64)>>,
     bytes_per_token: f64,
+    /// Moving sums of prompt bytes and reported prompt tokens: their ratio is `bytes_per_token`.
+    prompt_bytes_seen: f64,
+    prompt_tokens_seen: f64,
     observations_since_sweep: u32,
     hashes: Vec<u64>,
     matches: Vec<BlockMatch>,
@@ -86,6 +91,9 @@ impl Router {
         Ok(Router {
             rng: SmallRng::seed_from_u64(config.seed),
             bytes_per_token: config.estimates.bytes_per_token,
+            // The prior weighs as one token: the first real reports replace it.
+            prompt_bytes_seen: config.estimates.bytes_per_token,
+            prompt_tokens_seen: 1.0,
             config,
             fleet: Fleet::default(),
             index: PrefixIndex::new(),
@@ -153,9 +161,12 @@ impl Router {
             service_time_s: e.service_time_s,
             cache_trust: 1.0,
             mean_uncached_tokens: 1000.0,
+            survival: Default::default(),
+            hit_share: 0.0,
         }
     }
 
+    /// Blocks the index may hold for an instance, by configuration or the engine's report.
     fn index_capacity(&self, instance: &Instance) -> u32 {
         match instance.kv_capacity_tokens() {
             Some(tokens) => {
@@ -320,7 +331,12 @@ impl Router {
                 ..ctx
             };
             self.policy.score(&local_ctx, &mut local, &mut self.rng);
-            let split = best_score(&candidates) + best_score(&decode_candidates);
+            // A hand-off pays a second engine's scheduling and the transfer's set-up on top of
+            // the priced terms: without it a prompt of a few hundred tokens would be split to
+            // save a millisecond of prefill.
+            let split = best_score(&candidates)
+                + best_score(&decode_candidates)
+                + self.config.estimates.ttft_overhead_s;
             if best_score(&local) <= split {
                 // Run it whole on a decode instance: the prefill instances cannot.
                 for c in candidates.drain(..) {
@@ -425,8 +441,15 @@ impl Router {
         // At least one prompt token is always computed, as engines do.
         let max_cached = prompt_tokens.saturating_sub(1);
         for c in candidates.iter_mut() {
-            let blocks = self.depth_by_slot[c.instance.slot as usize];
-            let mut cached = (f64::from(blocks) * tokens_per_block) as u32;
+            let slot = c.instance.slot;
+            let blocks = self.depth_by_slot[slot as usize];
+            let held = match self.fleet.get(c.instance) {
+                Some(instance) if blocks > 0 => {
+                    expected_held_blocks(&self.index, slot, &self.hashes, blocks, instance)
+                }
+                _ => f64::from(blocks),
+            };
+            let mut cached = (held * tokens_per_block) as u32;
             if let Some(tokens) = token_ids {
                 if let Some(exact) = self.exact.cached_tokens(c.instance.slot, tokens) {
                     cached = exact;
@@ -470,12 +493,7 @@ impl Router {
                     }
                 }
                 instance.engine = Some((metrics, now));
-                if let Some(instance) = self.fleet.get(id) {
-                    let capacity = self.index_capacity(instance);
-                    if capacity != self.index.capacity(id.slot) {
-                        self.index.set_capacity(id.slot, capacity);
-                    }
-                }
+                self.resize_lane(id);
                 self.relevel(id);
                 Ok(())
             }
@@ -604,7 +622,8 @@ impl Router {
             .collect();
         let pending = &mut self.pending_inserts[slot as usize];
         let pending_floor = pending.first().map(|&(seq, _)| seq);
-        let pending_key = (self.index.current_seq() + 1, request.0);
+        let route_seq = self.index.current_seq(slot);
+        let pending_key = (route_seq + 1, request.0);
         pending.insert(pending_key);
         // A decode leg holds the prompt too once its KV has landed, so later turns can match it.
         self.index.insert(slot, &plan.block_hashes);
@@ -622,6 +641,7 @@ impl Router {
                 matched_blocks: plan.matched_blocks,
                 predicted_cached_tokens: plan.predicted_cached_tokens,
                 matched_seqs,
+                route_seq,
                 pending_floor,
                 pending_key,
             },
@@ -704,46 +724,74 @@ impl Router {
         }
         let Some(usage) = usage else { return Ok(()) };
         if usage.prompt_tokens > 0 && record.prompt_bytes > 0 {
-            let sample = record.prompt_bytes as f64 / f64::from(usage.prompt_tokens);
-            self.bytes_per_token = ewma(self.bytes_per_token, sample.clamp(0.5, 64.0), rate * 0.1);
+            // A ratio of moving sums weighs each request by its length, so short prompts (where
+            // the chat template's tokens dominate) do not swing the estimate.
+            let (bytes, tokens) = (record.prompt_bytes as f64, f64::from(usage.prompt_tokens));
+            self.prompt_bytes_seen = ewma(self.prompt_bytes_seen, bytes, rate * 0.5);
+            self.prompt_tokens_seen = ewma(self.prompt_tokens_seen, tokens, rate * 0.5);
+            self.bytes_per_token =
+                (self.prompt_bytes_seen / self.prompt_tokens_seen).clamp(0.5, 64.0);
         }
         if let Some(cached) = usage.cached_tokens {
+            if let Some(instance) = self.fleet.get_mut(record.instance) {
+                let share = f64::from(cached.min(usage.prompt_tokens))
+                    / f64::from(usage.prompt_tokens.max(1));
+                instance.learned.hit_share = ewma(instance.learned.hit_share, share, rate);
+            }
             self.feedback(&record, cached);
         }
         Ok(())
     }
 
-    /// Reconciles the index with the cached-token count the engine reported.
+    /// Learns, from the cached-token count the engine reported, how likely the instance still
+    /// holds an indexed block of a given age (see [`crate::prefix::CacheSurvival`]).
+    ///
+    /// Blocks before the reported count were held; the first block after it (one block of
+    /// slack: tokenisation moves block boundaries a little) was not. Deeper ones say nothing
+    /// more: a prefix cache cannot use them past a miss. Entries are not forgotten, only
+    /// discounted: engines that are not one LRU (llama.cpp's slots) keep old prompts too.
     fn feedback(&mut self, record: &InFlight, cached: u32) {
-        if self.config.index.disable_feedback
-            || record.matched_blocks == 0
-            || record.predicted_cached_tokens == 0
-        {
+        if self.config.index.disable_feedback || record.matched_blocks == 0 {
             return;
         }
         let rate = self.config.estimates.learning_rate;
         let tokens_per_block = self.config.index.block_bytes as f64 / self.bytes_per_token;
-        let reported_blocks = (f64::from(cached) / tokens_per_block).floor() as u32;
+        let reported = (f64::from(cached) / tokens_per_block).floor() as usize;
+        let matched = (record.matched_blocks as usize).min(record.matched_seqs.len());
+        let age = |k: usize| record.route_seq.saturating_sub(record.matched_seqs[k]);
         let Some(instance) = self.fleet.get_mut(record.instance) else {
             return;
         };
-        // One block of slack: tokenisation moves block boundaries a little.
-        if reported_blocks + 1 >= record.matched_blocks {
-            instance.learned.cache_trust = ewma(instance.learned.cache_trust, 1.0, rate);
-            return;
+        let survival = &mut instance.learned.survival;
+        let held = reported.min(matched);
+        if held > 0 {
+            survival.record_held(age(0));
+            if held > 1 {
+                survival.record_held(age(held - 1));
+            }
         }
-        let wrong = reported_blocks as usize;
-        let Some(&seq) = record.matched_seqs.get(wrong) else {
-            return;
-        };
-        // If a request still being prefilled touched that block, the engine may simply not have
-        // finished computing it: no evidence of eviction.
-        if record.pending_floor.is_some_and(|floor| seq >= floor) {
-            return;
+        if reported + 1 < matched {
+            let seq = record.matched_seqs[reported + 1];
+            // A block a request still being prefilled touched may simply not be computed yet:
+            // no evidence of eviction.
+            if record.pending_floor.is_none_or(|floor| seq < floor) {
+                survival.record_evicted(age(reported + 1));
+            }
         }
-        let share = (f64::from(cached) / f64::from(record.predicted_cached_tokens)).min(1.0);
-        instance.learned.cache_trust = ewma(instance.learned.cache_trust, share, rate);
-        self.index.forget_not_newer_than(record.instance.slot, seq);
+        if record.predicted_cached_tokens > 0 {
+            let share = (f64::from(cached) / f64::from(record.predicted_cached_tokens)).min(1.0);
+            instance.learned.cache_trust = ewma(instance.learned.cache_trust, share, rate);
+        }
+    }
+
+    /// Applies the instance's current index capacity to its lane.
+    fn resize_lane(&mut self, id: InstanceId) {
+        if let Some(instance) = self.fleet.get(id) {
+            let capacity = self.index_capacity(instance);
+            if capacity != self.index.capacity(id.slot) {
+                self.index.set_capacity(id.slot, capacity);
+            }
+        }
     }
 
     /// Forgets in-flight requests not heard of within the configured time to live.
@@ -767,6 +815,32 @@ impl Router {
     pub fn learned(&self, id: InstanceId) -> Option<Learned> {
         self.fleet.get(id).map(|i| i.learned)
     }
+}
+
+/// Matched blocks the instance is expected to still hold: the matched run weighted by the
+/// learned survival of its blocks' ages, sampled at the first, middle and last block (one
+/// prompt's blocks are touched together, so their ages differ little).
+fn expected_held_blocks(
+    index: &PrefixIndex,
+    slot: Slot,
+    hashes: &[u64],
+    blocks: u32,
+    instance: &Instance,
+) -> f64 {
+    let survival = &instance.learned.survival;
+    if survival.observations() == 0 {
+        return f64::from(blocks);
+    }
+    let now = index.current_seq(slot);
+    let p = |k: usize| {
+        hashes
+            .get(k)
+            .and_then(|&h| index.seq_of(slot, h))
+            .map_or(0.0, |seq| survival.p_held(now.saturating_sub(seq)))
+    };
+    let last = blocks as usize - 1;
+    let (first, middle, deepest) = (p(0), p(last / 2), p(last));
+    f64::from(blocks) * (first + 2.0 * middle + deepest) / 4.0
 }
 
 /// The lowest score among eligible candidates (infinity if none).

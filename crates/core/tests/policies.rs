@@ -283,7 +283,7 @@ fn disaggregated_pools_split_by_role() {
 }
 
 #[test]
-fn feedback_drops_what_the_engine_did_not_hold() {
+fn feedback_discounts_what_the_engine_did_not_hold() {
     let (mut router, ids) = router("cost", 1);
     let older = prompt("an even older prompt. ", 2000, 0);
     let text = prompt("prefix that will be evicted. ", 2000, 1);
@@ -318,15 +318,20 @@ fn feedback_drops_what_the_engine_did_not_hold() {
     router
         .observe(Observation::Finished(RequestId(3), Some(usage)), 4.0)
         .unwrap();
-    // An LRU engine that evicted `text` also evicted everything older: `older` is forgotten.
-    // What came after (`newer`, and `text` as request 3 just recomputed it) is kept.
-    let matched = |router: &mut Router, p: &str| {
+    // An LRU engine that evicted `text` also evicted everything older: `older` is now expected
+    // to be mostly gone (still indexed, only discounted). `text`, which request 3 just
+    // recomputed, is expected in full; `newer` is as old as `text` was when found evicted, so it
+    // is discounted too, never below `older`.
+    let predicted = |router: &mut Router, p: &str| {
         let decision = router.route(&RouteRequest::text("m", p), 4.0).unwrap();
-        decision.candidate(ids[0]).unwrap().terms.matched_blocks
+        let terms = decision.candidate(ids[0]).unwrap().terms;
+        (terms.matched_blocks, terms.cached_tokens)
     };
-    assert_eq!(matched(&mut router, &older), 0);
-    assert!(matched(&mut router, &newer) > 25);
-    assert!(matched(&mut router, &text) > 25);
+    let (older_blocks, older_cached) = predicted(&mut router, &older);
+    assert!(older_blocks > 25);
+    assert!(older_cached < 1000, "{older_cached}");
+    assert!(predicted(&mut router, &newer).1 >= older_cached);
+    assert!(predicted(&mut router, &text).1 > 1900);
     assert!(router.learned(ids[0]).unwrap().cache_trust < 1.0);
 }
 

@@ -179,8 +179,8 @@ pub fn prefill_terms(
 ) -> CostTerms {
     let cost = &ctx.config.cost;
     let speed = instance.learned.prefill_tokens_per_s;
-    // Trust in the index is learned per instance from what the engine reports as cached.
-    let cached = f64::from((f64::from(terms.cached_tokens) * instance.learned.cache_trust) as u32);
+    // The index's match is already weighted by how likely the instance still holds it.
+    let cached = f64::from(terms.cached_tokens);
     let uncached = f64::from(ctx.prompt_tokens) - cached;
     terms.cached_tokens = cached as u32;
     terms.uncached_tokens = uncached as u32;
@@ -215,7 +215,7 @@ pub fn decode_terms(
     let cost = &ctx.config.cost;
     let view = load_view(ctx, instance);
     // What the decode instance already holds (an earlier turn landed there) is not moved.
-    let held = f64::from(terms.cached_tokens) * instance.learned.cache_trust;
+    let held = f64::from(terms.cached_tokens);
     terms.cached_tokens = 0;
     terms.uncached_tokens = 0;
     terms.transfer_s =

@@ -124,6 +124,8 @@ mod tests {
             service_time_s: 1.0,
             cache_trust: 1.0,
             mean_uncached_tokens: 100.0,
+            survival: Default::default(),
+            hit_share: 0.0,
         };
         let id = fleet.add(spec, learned).unwrap();
         let mut i = fleet.remove(id).unwrap();

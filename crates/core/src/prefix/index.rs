@@ -40,6 +40,8 @@ struct Lane {
     tail: u32,
     len: u32,
     capacity: u32,
+    /// Touches so far: a block's age is how many blocks the instance was given since.
+    seq: u64,
 }
 
 impl Lane {
@@ -48,6 +50,7 @@ impl Lane {
         tail: NIL,
         len: 0,
         capacity: 0,
+        seq: 0,
     };
 }
 
@@ -75,7 +78,6 @@ pub struct PrefixIndex {
     holders: FxHashMap<u64, Holders>,
     owned: FxHashMap<u64, u32>,
     lanes: Vec<Lane>,
-    seq: u64,
     /// Per-slot scratch for lookups: (lookup epoch, matched depth).
     scratch: Vec<(u32, u32)>,
     epoch: u32,
@@ -167,9 +169,9 @@ impl PrefixIndex {
         self.find(slot, hash).map(|n| self.nodes[n as usize].seq)
     }
 
-    /// Most recent touch sequence handed out so far.
-    pub fn current_seq(&self) -> u64 {
-        self.seq
+    /// Most recent touch sequence handed out so far on `slot` (sequences are per instance).
+    pub fn current_seq(&self, slot: Slot) -> u64 {
+        self.lanes.get(slot as usize).map_or(0, |l| l.seq)
     }
 
     /// Records that `slot` now holds the chain `hashes` (root first), as the most recent entries.
@@ -178,8 +180,9 @@ impl PrefixIndex {
         let capacity = self.lane_mut(slot).capacity as usize;
         let kept = &hashes[..hashes.len().min(capacity)];
         for &hash in kept.iter().rev() {
-            self.seq += 1;
-            let seq = self.seq;
+            let lane = &mut self.lanes[slot as usize];
+            lane.seq += 1;
+            let seq = lane.seq;
             match self.find(slot, hash) {
                 Some(node) => {
                     self.lru_unlink(node);
