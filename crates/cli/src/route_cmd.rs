@@ -3,15 +3,18 @@
 //! A dry run of the routing brain, for checking a fleet file and a policy's reasoning without
 //! any engine running.
 
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
 use serde::Deserialize;
 use switchyard_core::{
-    ChatMessage, EngineMetrics, InstanceSpec, Observation, Prompt, RouteRequest, Router,
-    RouterConfig,
+    ChatMessage, EngineMetrics, InstanceSpec, Observation, Prompt, RouteError, RouteRequest,
+    Router, RouterConfig,
 };
+use switchyard_gateway::models::{resolve, ModelError, Resolution, Via};
 
 /// Flags of `switchyard route`.
 #[derive(Debug, Args)]
@@ -26,12 +29,20 @@ pub struct RouteArgs {
     /// sglang-cache-aware, dynamo-kv, gie, kubeai-chwbl.
     #[arg(long)]
     policy: Option<String>,
-    /// Model asked for.
+    /// Model asked for, resolved as the gateway resolves a request's `model`: an alias
+    /// (--model-alias), a base model, an adapter (routed on its base model), else the only base
+    /// model of a single-model fleet (unless --strict-models).
     #[arg(long)]
     model: String,
-    /// LoRA adapter asked for.
+    /// LoRA adapter asked for; --model is then taken as given (not resolved).
     #[arg(long)]
     adapter: Option<String>,
+    /// A model alias NAME=MODEL (repeatable), as on `switchyard serve`.
+    #[arg(long = "model-alias", value_name = "NAME=MODEL")]
+    model_aliases: Vec<String>,
+    /// No single-model fallback: an unknown --model is an error, as with `serve --strict-models`.
+    #[arg(long)]
+    strict_models: bool,
     /// Completion prompt text.
     #[arg(long, conflicts_with_all = ["prompt_file", "chat_file"])]
     prompt: Option<String>,
@@ -85,6 +96,19 @@ pub fn run(args: RouteArgs) -> anyhow::Result<()> {
         bail!("the fleet file lists no instances");
     }
     let mut names = Vec::new();
+    let aliases: HashMap<String, String> =
+        crate::serve_cmd::parse_model_aliases(&args.model_aliases)?
+            .into_iter()
+            .collect();
+    // Adapter -> base model, as the gateway builds it: the first base model of each holder.
+    let mut adapters: HashMap<String, String> = HashMap::new();
+    for spec in &fleet.instances {
+        if let Some(base) = spec.models.first() {
+            for a in &spec.adapters {
+                adapters.entry(a.clone()).or_insert_with(|| base.clone());
+            }
+        }
+    }
     for spec in fleet.instances {
         let name = spec.name.clone();
         let id = router
@@ -120,11 +144,36 @@ pub fn run(args: RouteArgs) -> anyhow::Result<()> {
         };
         Prompt::Text(&text)
     };
+    let resolution = match &args.adapter {
+        Some(adapter) => Resolution {
+            model: Cow::Borrowed(args.model.as_str()),
+            adapter: Some(adapter.as_str()),
+            via: Via::Served,
+        },
+        None => resolve(
+            router.fleet(),
+            &adapters,
+            &aliases,
+            args.strict_models,
+            &args.model,
+        )
+        .map_err(|e| match e {
+            // The router's own wording, as before names were resolved here.
+            ModelError::Unknown(m) => anyhow::Error::new(RouteError::UnknownModel(m)),
+            other => anyhow::Error::new(other),
+        })?,
+    };
+    let note = match resolution.via {
+        Via::Served => None,
+        Via::Adapter => Some("adapter"),
+        Via::Alias => Some("alias"),
+        Via::Fallback => Some("the fleet's only model"),
+    };
     let request = RouteRequest {
-        adapter: args.adapter.as_deref(),
+        adapter: resolution.adapter,
         prompt,
         max_tokens: args.max_tokens,
-        ..RouteRequest::text(&args.model, "")
+        ..RouteRequest::text(&resolution.model, "")
     };
     let decision = router.route(&request, 0.0)?;
     if args.json {
@@ -137,6 +186,15 @@ pub fn run(args: RouteArgs) -> anyhow::Result<()> {
             .find(|(i, _)| *i == id)
             .map_or("?", |(_, n)| n.as_str())
     };
+    if let Some(why) = note {
+        let adapter = resolution
+            .adapter
+            .map_or_else(String::new, |a| format!(" adapter `{a}`"));
+        println!(
+            "model `{}` -> `{}`{adapter} ({why})",
+            args.model, resolution.model
+        );
+    }
     println!(
         "policy {}  prompt ≈ {} tokens  saturated: {}",
         decision.policy, decision.prompt_tokens, decision.saturated

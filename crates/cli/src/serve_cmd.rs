@@ -1,14 +1,16 @@
 //! `switchyard serve`: the gateway, an OpenAI-compatible router in front of a fleet of engines.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use switchyard_core::RouterConfig;
 use switchyard_gateway::config::{load_router_config, parse_api_keys};
+use switchyard_gateway::models::{merge_aliases, parse_alias};
 use switchyard_gateway::pd::PdStyle;
 use switchyard_gateway::{BackendSpec, Settings};
 
@@ -126,8 +128,33 @@ pub struct ServeArgs {
     /// spends the least CPU per request when the gateway shares a small machine.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub worker_threads: Option<u16>,
+    /// A model alias NAME=MODEL (repeatable): a request for NAME is routed as MODEL (a base
+    /// model or an adapter) and sent to the engine with `model` set to MODEL. Merged with the
+    /// fleet file's `model_aliases`.
+    #[arg(long = "model-alias", value_name = "NAME=MODEL")]
+    pub model_aliases: Vec<String>,
+    /// Answer 404 model_not_found for a model name no backend serves even when the fleet serves
+    /// a single base model (by default such a request goes to that model).
+    #[arg(long)]
+    pub strict_models: bool,
     #[command(flatten)]
     pub placement: PlacementArgs,
+}
+
+/// Parses `--model-alias` values: each NAME=MODEL, a NAME given once (or twice alike), no alias
+/// of an alias.
+pub fn parse_model_aliases(entries: &[String]) -> Result<BTreeMap<String, String>> {
+    let mut aliases = BTreeMap::new();
+    for entry in entries {
+        let (name, target) = parse_alias(entry).map_err(|e| anyhow!("--model-alias {e}"))?;
+        if let Some(before) = aliases.insert(name.clone(), target.clone()) {
+            if before != target {
+                bail!("--model-alias: `{name}` is given as `{before}` and as `{target}`");
+            }
+        }
+    }
+    merge_aliases(&aliases, &BTreeMap::new()).map_err(|e| anyhow!("--model-alias: {e}"))?;
+    Ok(aliases)
 }
 
 /// Dynamic LoRA adapter placement flags of `switchyard serve` (router settings `placement.*`).
@@ -256,6 +283,7 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
     if args.scrape_interval.is_zero() || args.health_interval.is_zero() {
         bail!("--scrape-interval and --health-interval must be > 0");
     }
+    let model_aliases = parse_model_aliases(&args.model_aliases)?;
     Ok(Settings {
         listen: args.listen,
         router,
@@ -279,6 +307,8 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
         inject_usage: !args.no_usage_injection,
         pd_style: args.pd_style,
         lora_paths,
+        model_aliases,
+        strict_models: args.strict_models,
     })
 }
 
@@ -398,10 +428,15 @@ mod tests {
             "adm",
             "--debug-header",
             "--no-usage-injection",
+            "--model-alias",
+            "gpt-4o=m",
+            "--strict-models",
         ])
         .unwrap();
         let s = settings(&cli.args).unwrap();
         assert_eq!(s.listen.port(), 0);
+        assert_eq!(s.model_aliases["gpt-4o"], "m");
+        assert!(s.strict_models);
         assert_eq!(s.backends[0].models, vec!["m"]);
         assert!(s.fleet_file.is_some());
         assert_eq!(s.router.policy, "gie");
@@ -503,6 +538,46 @@ mod tests {
             argv.extend(bad.iter().copied());
             let cli = Cli::try_parse_from(argv).unwrap();
             assert!(settings(&cli.args).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn model_alias_flags() {
+        let off = Cli::try_parse_from(["x", "--backend", "h:1"]).unwrap();
+        let s = settings(&off.args).unwrap();
+        assert!(s.model_aliases.is_empty() && !s.strict_models);
+        let cli = Cli::try_parse_from([
+            "x",
+            "--backend",
+            "h:1",
+            "--model-alias",
+            "gpt-4o=llama",
+            "--model-alias",
+            " sql = sql-lora ",
+            "--model-alias",
+            "gpt-4o=llama",
+        ])
+        .unwrap();
+        let s = settings(&cli.args).unwrap();
+        assert_eq!(s.model_aliases.len(), 2);
+        assert_eq!(s.model_aliases["sql"], "sql-lora");
+        for (bad, names) in [
+            (vec!["nomodel"], "nomodel"),
+            (vec!["=m"], "=m"),
+            (vec!["a=a"], "a=a"),
+            (vec!["a=m", "a=n"], "`a`"),
+            (vec!["a=m", "b=a"], "`b`"),
+        ] {
+            let mut argv = vec!["x", "--backend", "h:1"];
+            for b in &bad {
+                argv.extend(["--model-alias", b]);
+            }
+            let cli = Cli::try_parse_from(argv).unwrap();
+            let e = settings(&cli.args).unwrap_err().to_string();
+            assert!(
+                e.contains("--model-alias") && e.contains(names),
+                "{bad:?}: {e}"
+            );
         }
     }
 

@@ -134,6 +134,8 @@ async fn adapter_requests_reach_only_the_backends_that_hold_them() {
         "tok",
         "--lora-path",
         "sql-lora=/adapters/sql",
+        // An unknown adapter name is refused below, not sent to the only base model.
+        "--strict-models",
     ]);
     let c = client();
 

@@ -361,7 +361,13 @@ async fn engine_queue_length_saturates_too() {
 async fn embeddings_are_routed_by_load() {
     let a = FakeEngine::start(Fake::Ok).await;
     let b = FakeEngine::start(Fake::Ok).await;
-    let gw = gateway(&["--backend", &a.backend(), "--backend", &b.backend()]);
+    let gw = gateway(&[
+        "--backend",
+        &a.backend(),
+        "--backend",
+        &b.backend(),
+        "--strict-models",
+    ]);
     let c = client();
     for i in 0..6 {
         let r = post(

@@ -248,7 +248,14 @@ fn assert_error(r: &Reply, status: u16, code: &str) {
 #[tokio::test]
 async fn every_gateway_error_has_the_openai_shape() {
     let e = engine(&[]);
-    let gw = gateway(&["--backend", &backend(&e), "--max-body-bytes", "2000"]);
+    // Strict: an unknown model is the gateway's 404, not the single-model fallback.
+    let gw = gateway(&[
+        "--backend",
+        &backend(&e),
+        "--max-body-bytes",
+        "2000",
+        "--strict-models",
+    ]);
     let c = client();
     let chat_url = gw.url("/v1/chat/completions");
 

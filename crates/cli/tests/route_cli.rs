@@ -92,6 +92,7 @@ fn route_reports_bad_input_clearly() {
         "other",
         "--prompt",
         "x",
+        "--strict-models",
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no instance serves model `other`"));
@@ -109,4 +110,84 @@ fn route_reports_bad_input_clearly() {
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown policy"));
+}
+
+#[test]
+fn route_resolves_model_names_as_the_gateway_does() {
+    let two = temp_file(
+        "two.json",
+        r#"{"instances": [
+              {"name": "a", "models": ["llama"], "adapters": ["sql-lora"]},
+              {"name": "b", "models": ["qwen"]}]}"#,
+    );
+    let fleet = two.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["route", "--fleet", fleet, "--prompt", "x"];
+        args.extend_from_slice(extra);
+        let out = switchyard(&args);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    // An alias to a base model, and to an adapter (routed to its holder).
+    let (ok, text, err) = run(&["--model", "gpt-4o", "--model-alias", "gpt-4o=qwen"]);
+    assert!(ok, "{err}");
+    assert!(
+        text.starts_with("model `gpt-4o` -> `qwen` (alias)"),
+        "{text}"
+    );
+    assert!(
+        text.lines().nth(3).unwrap_or_default().contains(" b "),
+        "{text}"
+    );
+    let (ok, text, err) = run(&["--model", "sql", "--model-alias", "sql=sql-lora"]);
+    assert!(ok, "{err}");
+    assert!(
+        text.starts_with("model `sql` -> `llama` adapter `sql-lora` (alias)"),
+        "{text}"
+    );
+    // An adapter by its own name, as the gateway takes it.
+    let (ok, text, err) = run(&["--model", "sql-lora"]);
+    assert!(ok, "{err}");
+    assert!(text.contains("(adapter)"), "{text}");
+    // Two models: an unknown name is an error; a broken alias names both.
+    let (ok, _, err) = run(&["--model", "gpt-4o"]);
+    assert!(
+        !ok && err.contains("no instance serves model `gpt-4o`"),
+        "{err}"
+    );
+    let (ok, _, err) = run(&["--model", "x", "--model-alias", "x=nowhere"]);
+    assert!(
+        !ok && err.contains("`x`") && err.contains("`nowhere`"),
+        "{err}"
+    );
+    let (ok, _, err) = run(&["--model", "x", "--model-alias", "x="]);
+    assert!(!ok && err.contains("--model-alias"), "{err}");
+
+    // One model: any name goes to it, unless strict.
+    let one = temp_file(
+        "single.json",
+        r#"{"instances": [{"name": "a", "models": ["m"]}]}"#,
+    );
+    let out = switchyard(&[
+        "route",
+        "--fleet",
+        one.to_str().unwrap(),
+        "--model",
+        "gpt-4o",
+        "--prompt",
+        "x",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.starts_with("model `gpt-4o` -> `m` (the fleet's only model)"),
+        "{text}"
+    );
 }

@@ -1,6 +1,6 @@
 //! Gateway settings, the fleet file (YAML or TOML) and router settings files.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -60,6 +60,11 @@ pub struct Settings {
     /// LoRA adapter name -> path sent as `lora_path` to `/v1/load_lora_adapter`; dynamic
     /// placement (`router.placement`) loads and unloads only these adapters.
     pub lora_paths: std::collections::BTreeMap<String, String>,
+    /// Model aliases from `--model-alias NAME=MODEL` (alias -> target); the fleet file's
+    /// `model_aliases` are merged in.
+    pub model_aliases: BTreeMap<String, String>,
+    /// Refuse unknown model names (404) even when the fleet serves a single base model.
+    pub strict_models: bool,
 }
 
 impl Default for Settings {
@@ -87,6 +92,8 @@ impl Default for Settings {
             inject_usage: true,
             pd_style: crate::pd::PdStyle::Nixl,
             lora_paths: std::collections::BTreeMap::new(),
+            model_aliases: BTreeMap::new(),
+            strict_models: false,
         }
     }
 }
@@ -106,15 +113,31 @@ pub enum ConfigError {
     /// Router settings out of range.
     #[error("{0}: {1}")]
     Router(PathBuf, switchyard_core::ConfigError),
+    /// A `model_aliases` entry is unusable.
+    #[error("{0}: model_aliases: {1}")]
+    Alias(PathBuf, String),
 }
 
-/// The fleet file: `backends: [{address, name, role, models, adapters, weight, labels, kind}]`.
+/// The fleet file: `backends: [{address, name, role, models, adapters, weight, labels, kind}]`
+/// and `model_aliases: {NAME: MODEL}`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FleetFile {
     /// The backends.
     #[serde(default)]
     pub backends: Vec<BackendSpec>,
+    /// Model aliases: a request for NAME is routed (and sent) as MODEL.
+    #[serde(default)]
+    pub model_aliases: BTreeMap<String, String>,
+}
+
+/// A fleet file as loaded and checked.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct FleetConfig {
+    /// The backends, normalised.
+    pub backends: Vec<BackendSpec>,
+    /// Model aliases (alias -> target), each checked alone; merged with the flags' by the caller.
+    pub model_aliases: BTreeMap<String, String>,
 }
 
 fn parse_by_extension<T: serde::de::DeserializeOwned>(
@@ -130,8 +153,8 @@ fn parse_by_extension<T: serde::de::DeserializeOwned>(
     parsed.map_err(|e| ConfigError::Parse(path.to_path_buf(), e))
 }
 
-/// Reads a fleet file (`.toml`, `.json`, else YAML) and checks every backend.
-pub fn load_fleet_file(path: &Path) -> Result<Vec<BackendSpec>, ConfigError> {
+/// Reads a fleet file (`.toml`, `.json`, else YAML) and checks every backend and alias.
+pub fn load_fleet_file(path: &Path) -> Result<FleetConfig, ConfigError> {
     let text =
         std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
     let file: FleetFile = if text.trim().is_empty() {
@@ -146,7 +169,14 @@ pub fn load_fleet_file(path: &Path) -> Result<Vec<BackendSpec>, ConfigError> {
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| ConfigError::Backend(path.to_path_buf(), e))?;
     check_unique(&specs).map_err(|e| ConfigError::Backend(path.to_path_buf(), e))?;
-    Ok(specs)
+    for (name, target) in &file.model_aliases {
+        crate::models::check_alias(name, target)
+            .map_err(|e| ConfigError::Alias(path.to_path_buf(), format!("`{name}`: {e}")))?;
+    }
+    Ok(FleetConfig {
+        backends: specs,
+        model_aliases: file.model_aliases,
+    })
 }
 
 /// Reads router settings (`.toml`, `.json`, else YAML; any subset of the keys in docs/core.md).
@@ -190,7 +220,7 @@ mod tests {
             "fleet.yaml",
             "backends:\n  - address: 127.0.0.1:9001\n    role: prefill\n    models: [m]\n    labels: {zone: a}\n    kind: vllm\n  - address: http://127.0.0.1:9002\n    name: two\n    weight: 2\n",
         );
-        let specs = load_fleet_file(&y).unwrap();
+        let specs = load_fleet_file(&y).unwrap().backends;
         assert_eq!(specs.len(), 2);
         assert_eq!(specs[0].name, "127.0.0.1:9001");
         assert_eq!(specs[0].role, Role::Prefill);
@@ -201,11 +231,38 @@ mod tests {
             "[[backends]]\naddress = \"127.0.0.1:9003\"\nmodels = [\"m\"]\nkind = \"sglang\"\n",
         );
         assert_eq!(
-            load_fleet_file(&t).unwrap()[0].address,
+            load_fleet_file(&t).unwrap().backends[0].address,
             "http://127.0.0.1:9003"
         );
         let empty = write("empty.yaml", "\n");
-        assert!(load_fleet_file(&empty).unwrap().is_empty());
+        assert_eq!(load_fleet_file(&empty).unwrap(), FleetConfig::default());
+    }
+
+    #[test]
+    fn fleet_file_model_aliases() {
+        let y = write(
+            "aliases.yaml",
+            "backends:\n  - address: 127.0.0.1:9001\n    models: [m]\nmodel_aliases:\n  gpt-4o: m\n  sql: sql-lora\n",
+        );
+        let fleet = load_fleet_file(&y).unwrap();
+        assert_eq!(fleet.model_aliases["gpt-4o"], "m");
+        assert_eq!(fleet.model_aliases["sql"], "sql-lora");
+        let t = write("aliases.toml", "[model_aliases]\n\"gpt-4o\" = \"m\"\n");
+        assert_eq!(load_fleet_file(&t).unwrap().model_aliases["gpt-4o"], "m");
+        for (name, text) in [
+            ("self.yaml", "model_aliases:\n  m: m\n"),
+            ("empty.json", r#"{"model_aliases": {"gpt-4o": ""}}"#),
+        ] {
+            let e = load_fleet_file(&write(name, text)).unwrap_err();
+            assert!(matches!(e, ConfigError::Alias(..)), "{e}");
+            let text = e.to_string();
+            assert!(
+                text.contains("model_aliases") && text.contains('`'),
+                "{text}"
+            );
+        }
+        let e = load_fleet_file(&write("list.yaml", "model_aliases: [a]\n")).unwrap_err();
+        assert!(matches!(e, ConfigError::Parse(..)), "{e}");
     }
 
     #[test]

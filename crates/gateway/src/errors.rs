@@ -103,6 +103,19 @@ impl ApiError {
         }
     }
 
+    /// 404: `alias` is an alias of `target`, which no backend serves.
+    pub fn alias_target_missing(alias: &str, target: &str) -> Self {
+        ApiError {
+            param: Some("model"),
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                format!("The model `{alias}` is an alias of `{target}`, which no backend serves."),
+            )
+        }
+    }
+
     /// 404: no such endpoint.
     pub fn no_route(path: &str) -> Self {
         Self::new(
@@ -244,6 +257,17 @@ impl ApiError {
     }
 }
 
+impl From<crate::models::ModelError> for ApiError {
+    fn from(e: crate::models::ModelError) -> Self {
+        match e {
+            crate::models::ModelError::Unknown(m) => ApiError::unknown_model(&m),
+            crate::models::ModelError::AliasTarget { alias, target } => {
+                ApiError::alias_target_missing(&alias, &target)
+            }
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, self.body()).into_response();
@@ -271,6 +295,19 @@ mod tests {
         assert_eq!(v["error"]["code"], "model_not_found");
         assert_eq!(v["error"]["param"], "model");
         assert!(v["error"]["message"].as_str().unwrap().contains("x\"y"));
+    }
+
+    #[test]
+    fn a_missing_alias_target_names_both() {
+        let e = ApiError::from(crate::models::ModelError::AliasTarget {
+            alias: "gpt-4o".into(),
+            target: "qwen".into(),
+        });
+        assert_eq!(
+            (e.status, e.code),
+            (StatusCode::NOT_FOUND, "model_not_found")
+        );
+        assert!(e.message.contains("`gpt-4o`") && e.message.contains("`qwen`"));
     }
 
     #[test]

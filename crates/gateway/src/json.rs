@@ -107,6 +107,11 @@ impl<'a> Scanner<'a> {
         }
     }
 
+    /// The offset of the cursor in the text.
+    pub(crate) fn pos(&self) -> usize {
+        self.i
+    }
+
     /// Only whitespace is left.
     pub(crate) fn at_end(&mut self) -> bool {
         self.ws();

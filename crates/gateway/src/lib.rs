@@ -11,6 +11,8 @@
 //!   (models found by [`discovery`], fleet file reloads in [`watch`]);
 //! * engines are scraped in [`scrape`] (Prometheus text parsed by [`promtext`]) and checked in
 //!   [`health`]; LoRA adapters are loaded and unloaded by demand in [`placement`];
+//! * a request's `model` is resolved (aliases, adapters, the single-model fallback) in
+//!   [`models`];
 //! * HTTP routes are in [`server`] and [`admin`], errors in [`errors`], the gateway's own
 //!   metrics in [`metrics`]; the shared state and the router lock in [`state`].
 //!
@@ -26,6 +28,7 @@ pub mod fleet;
 pub mod health;
 mod json;
 pub mod metrics;
+pub mod models;
 pub mod parse;
 pub mod pd;
 pub mod placement;
@@ -91,14 +94,23 @@ pub struct RunningGateway {
 pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
     let router =
         Router::new(settings.router.clone()).map_err(|e| GatewayError::Config(e.to_string()))?;
-    let file_specs = match &settings.fleet_file {
+    let file = match &settings.fleet_file {
         Some(path) => {
             Some(config::load_fleet_file(path).map_err(|e| GatewayError::Config(e.to_string()))?)
         }
         None => None,
     };
+    let no_aliases = Default::default();
+    let aliases = models::merge_aliases(
+        &settings.model_aliases,
+        file.as_ref().map_or(&no_aliases, |f| &f.model_aliases),
+    )
+    .map_err(|e| match &settings.fleet_file {
+        Some(path) => GatewayError::Config(format!("{}: {e}", path.display())),
+        None => GatewayError::Config(e),
+    })?;
     let mut all: Vec<BackendSpec> = settings.backends.clone();
-    all.extend(file_specs.iter().flatten().cloned());
+    all.extend(file.iter().flat_map(|f| f.backends.iter().cloned()));
     backends::check_unique(&all).map_err(|e| GatewayError::Config(e.to_string()))?;
     let listen = settings.listen;
     let listener = TcpListener::bind(listen)
@@ -110,12 +122,13 @@ pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
     let addr = listener.local_addr().map_err(GatewayError::Serve)?;
 
     let gw = Gateway::new(settings, router);
+    gw.brain.lock().set_aliases(aliases);
     for spec in gw.settings.backends.clone() {
         fleet::add(&gw, spec);
     }
-    let watcher = match (&gw.settings.fleet_file, file_specs) {
-        (Some(path), Some(specs)) => {
-            fleet::apply_file(&gw, specs);
+    let watcher = match (&gw.settings.fleet_file, file) {
+        (Some(path), Some(file)) => {
+            fleet::apply_file(&gw, file.backends);
             Some(watch::watch(gw.clone(), path.clone())?)
         }
         _ => None,

@@ -773,9 +773,81 @@ pub fn with_include_usage(body: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// The body with its top-level `model` replaced by `model`, everything else byte for byte (the
+/// value's span is found by the fast scanner; a body it does not read goes through serde_json,
+/// which keeps the members but not their order or spacing). For bodies `parse` accepted.
+pub fn with_model(body: &[u8], model: &str) -> Vec<u8> {
+    // A JSON string of any `&str` always serialises.
+    let value = serde_json::to_string(model).unwrap_or_else(|_| format!("\"{model}\""));
+    if let Some((start, end)) = model_span(body) {
+        let mut out = Vec::with_capacity(body.len() - (end - start) + value.len());
+        out.extend_from_slice(&body[..start]);
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(&body[end..]);
+        return out;
+    }
+    match serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(body) {
+        Ok(mut map) => {
+            map.insert("model".into(), serde_json::Value::String(model.into()));
+            serde_json::to_vec(&map).unwrap_or_else(|_| body.to_vec())
+        }
+        // Not an object: `parse` refused it already; nothing to rewrite.
+        Err(_) => body.to_vec(),
+    }
+}
+
+/// Where the value of the top-level `model` member is, if the fast scanner reads the body and
+/// finds exactly one.
+fn model_span(body: &[u8]) -> Option<(usize, usize)> {
+    let mut s = Scanner::new(body);
+    let mut span = None;
+    let mut seen = false;
+    s.object(|s, key| {
+        if key != b"model" {
+            return s.skip();
+        }
+        if std::mem::replace(&mut seen, true) {
+            return None;
+        }
+        let start = s.pos();
+        s.skip()?;
+        span = Some((start, s.pos()));
+        Some(())
+    })?;
+    if !s.at_end() {
+        return None;
+    }
+    span
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_model_is_replaced_in_place() {
+        let body = br#" {"messages":[{"role":"user","content":"model"}], "model" : "gpt-4o" ,"max_tokens":3}"#;
+        let out = with_model(body, "llama");
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            r#" {"messages":[{"role":"user","content":"model"}], "model" : "llama" ,"max_tokens":3}"#
+        );
+        // Quotes and backslashes are escaped.
+        let out = with_model(br#"{"model":"x"}"#, r#"a"b\c"#);
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["model"], r#"a"b\c"#);
+        // A body the scanner does not read (an escaped key) still gets the new model, and keeps
+        // every other member.
+        let odd = br#"{"mod\u0065l":"gpt-4o","prompt":"hi","n":1.5e3}"#;
+        let v: serde_json::Value = serde_json::from_slice(&with_model(odd, "llama")).unwrap();
+        assert_eq!(v["model"], "llama");
+        assert_eq!(v["prompt"], "hi");
+        assert_eq!(v["n"], 1500.0);
+        assert_eq!(v.as_object().unwrap().len(), 3);
+        // The result parses as the original did, but for the model.
+        let p = parse(&out, None).unwrap();
+        assert_eq!(p.model, r#"a"b\c"#);
+    }
 
     fn p(body: &str) -> ParsedRequest<'_> {
         parse(body.as_bytes(), None).unwrap()

@@ -14,13 +14,12 @@ use http::request::Parts;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Request, StatusCode};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
-use switchyard_core::{
-    Decision, Health, InstanceId, Observation, RequestId, RouteError, RoutePlan,
-};
+use switchyard_core::{Decision, Health, InstanceId, Observation, RequestId, RoutePlan};
 
 use crate::backends::Backend;
 use crate::errors::ApiError;
 use crate::health;
+use crate::models::ModelError;
 use crate::parse::{self, ParsedRequest};
 use crate::state::Gateway;
 use crate::stream::{ObservedBody, RequestGuard};
@@ -109,6 +108,9 @@ pub(crate) struct Routed {
     pub(crate) prompt_tokens: u32,
     /// The decision explained, for the debug header.
     pub(crate) explain: Option<String>,
+    /// The `model` to put in the body sent upstream, when an alias or the single-model
+    /// fallback applied (else the body's own is right).
+    pub(crate) upstream_model: Option<String>,
 }
 
 impl Routed {
@@ -159,11 +161,9 @@ fn route_once(
     let now = gw.seconds_at(t0);
     let brain = &mut *guard;
     let mut candidates: Vec<Arc<Backend>> = Vec::with_capacity(max);
-    let (decision, prompt_tokens) = if endpoint == Endpoint::Embeddings {
+    let (decision, prompt_tokens, upstream_model) = if endpoint == Endpoint::Embeddings {
         let prompt_tokens = parsed.with_route_request("", None, |r| r.prompt.rendered_len()) / 4;
-        let ids = brain
-            .least_loaded(&parsed.model, rid.0)
-            .map_err(|RouteError::UnknownModel(m)| ApiError::unknown_model(&m))?;
+        let (ids, upstream_model) = brain.least_loaded(&parsed.model, rid.0)?;
         candidates.extend(
             ids.iter()
                 .take(max)
@@ -172,11 +172,10 @@ fn route_once(
         (
             None,
             u32::try_from(prompt_tokens).unwrap_or(u32::MAX).max(1),
+            upstream_model,
         )
     } else {
-        let decision = brain
-            .route(parsed, now)
-            .map_err(|_| ApiError::unknown_model(&parsed.model))?;
+        let (decision, upstream_model) = brain.route(parsed, now)?;
         gw.metrics
             .decision_seconds
             .observe(t0.elapsed().as_secs_f64());
@@ -194,7 +193,7 @@ fn route_once(
                 .filter_map(|c| brain.backend(c.instance).cloned()),
         );
         let tokens = decision.prompt_tokens;
-        (Some(decision), tokens)
+        (Some(decision), tokens, upstream_model)
     };
     let Some(first) = candidates.first().map(|b| b.id) else {
         return Ok(RouteStep::NoBackend);
@@ -218,6 +217,7 @@ fn route_once(
         candidates,
         prompt_tokens,
         explain,
+        upstream_model,
     };
     let plan = routed.plan_for(first);
     brain.observe(
@@ -234,12 +234,17 @@ fn route_once(
 impl crate::state::Brain {
     /// Healthy backends serving the requested model, fewest router-side requests in flight
     /// first; ties rotate with `salt` so equal loads do not all land on the first backend.
-    pub fn least_loaded(&self, requested: &str, salt: u64) -> Result<Vec<InstanceId>, RouteError> {
-        let (model, _) = self.resolve(requested);
+    /// With the `model` the engine must see when an alias or the single-model fallback applied.
+    pub fn least_loaded(
+        &self,
+        requested: &str,
+        salt: u64,
+    ) -> Result<(Vec<InstanceId>, Option<String>), ModelError> {
+        let resolution = self.resolve(requested)?;
         let fleet = self.router.fleet();
-        let pool = fleet.serving(model);
+        let pool = fleet.serving(&resolution.model);
         if pool.is_empty() {
-            return Err(RouteError::UnknownModel(requested.to_string()));
+            return Err(ModelError::Unknown(requested.to_string()));
         }
         let n = pool.len() as u64;
         let mut ranked: Vec<(u32, u64, InstanceId)> = pool
@@ -252,7 +257,8 @@ impl crate::state::Brain {
             })
             .collect();
         ranked.sort_unstable_by_key(|&(load, rot, _)| (load, rot));
-        Ok(ranked.into_iter().map(|(_, _, id)| id).collect())
+        let upstream = resolution.upstream_model().map(str::to_string);
+        Ok((ranked.into_iter().map(|(_, _, id)| id).collect(), upstream))
     }
 }
 
@@ -383,6 +389,13 @@ where
         && endpoint != Endpoint::Embeddings
         && parsed.stream
         && !parsed.has_stream_options;
+    drop(parsed);
+    // An alias or the single-model fallback applied: the engine gets the name it serves (vLLM
+    // refuses others). Only then is the body copied.
+    let bytes = match routed.upstream_model.as_deref() {
+        Some(model) => Bytes::from(parse::with_model(&bytes, model)),
+        None => bytes,
+    };
     let upstream_body = match strip_usage
         .then(|| parse::with_include_usage(&bytes))
         .flatten()
@@ -390,7 +403,6 @@ where
         Some(b) => Bytes::from(b),
         None => bytes.clone(),
     };
-    drop(parsed);
     if routed
         .decision
         .as_ref()

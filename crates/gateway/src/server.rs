@@ -180,22 +180,23 @@ pub fn with_id(mut response: Response, id: HeaderValue) -> Response {
     response
 }
 
-/// `GET /v1/models`: the union of the fleet's base models and adapters (with `parent`).
+/// `GET /v1/models`: the union of the fleet's base models and adapters (with `parent`), and the
+/// model aliases whose target is served (`root` = the target).
 async fn models(State(gw): Shared, headers: HeaderMap) -> Response {
     let id = echo_id(&gw, &headers);
     if !proxy::authorised(&gw, &headers) {
         return proxy::reject(&gw, ApiError::unauthorized(), &id);
     }
-    let catalog = gw.brain.lock().catalog();
-    let data: Vec<_> = catalog
+    let listing = gw.brain.lock().listing();
+    let data: Vec<_> = listing
         .into_iter()
-        .map(|(name, parent)| {
+        .map(|(name, (root, parent))| {
             json!({
                 "id": name,
                 "object": "model",
                 "created": gw.started_unix(),
                 "owned_by": "switchyard",
-                "root": name,
+                "root": root,
                 "parent": parent,
             })
         })

@@ -8,12 +8,13 @@ use std::time::Instant;
 
 use http::HeaderValue;
 use parking_lot::Mutex;
-use switchyard_core::{Decision, InstanceId, Observation, RequestId, RouteError, Router};
+use switchyard_core::{Decision, InstanceId, Observation, RequestId, Router};
 
 use crate::admission::Admission;
 use crate::backends::{Backend, BackendSpec};
 use crate::config::Settings;
 use crate::metrics::Metrics;
+use crate::models::{resolve, FallbackLog, ModelError, Resolution, Via};
 use crate::parse::ParsedRequest;
 use crate::upstream::Upstream;
 
@@ -35,6 +36,12 @@ pub struct Brain {
     pub from_file: HashSet<String>,
     /// Dynamic adapter placement (`--dynamic-lora-placement`): demand and what it changed.
     pub placement: Option<crate::placement::PlacementState>,
+    /// Model aliases (flags and fleet file merged): alias -> target.
+    aliases: HashMap<String, String>,
+    /// `--strict-models`: no single-model fallback.
+    strict_models: bool,
+    /// Names the single-model fallback has logged.
+    fallback_log: FallbackLog,
 }
 
 impl Brain {
@@ -49,7 +56,20 @@ impl Brain {
             leaving: HashSet::new(),
             from_file: HashSet::new(),
             placement: None,
+            aliases: HashMap::new(),
+            strict_models: false,
+            fallback_log: FallbackLog::default(),
         }
+    }
+
+    /// Replaces the model aliases (already merged and checked, see [`crate::models::merge_aliases`]).
+    pub fn set_aliases(&mut self, aliases: HashMap<String, String>) {
+        self.aliases = aliases;
+    }
+
+    /// Turns the single-model fallback off (`--strict-models`) or on.
+    pub fn set_strict_models(&mut self, strict: bool) {
+        self.strict_models = strict;
     }
 
     /// The backend behind a router handle, if it is still current.
@@ -114,17 +134,44 @@ impl Brain {
         }
     }
 
-    /// Resolves a requested model name to (base model, adapter): an adapter name maps to its
-    /// base model unless some backend serves it as a base model.
-    pub fn resolve<'a>(&'a self, requested: &'a str) -> (&'a str, Option<&'a str>) {
-        resolve_in(&self.router, &self.adapters, requested)
+    /// Resolves a requested model name (alias, base model, adapter, single-model fallback; see
+    /// [`crate::models`]).
+    pub fn resolve<'a>(&'a self, requested: &'a str) -> Result<Resolution<'a>, ModelError> {
+        resolve(
+            self.router.fleet(),
+            &self.adapters,
+            &self.aliases,
+            self.strict_models,
+            requested,
+        )
     }
 
-    /// Routes a parsed request (model names resolved first).
-    pub fn route(&mut self, parsed: &ParsedRequest<'_>, now: f64) -> Result<Decision, RouteError> {
-        let (model, adapter) = resolve_in(&self.router, &self.adapters, &parsed.model);
+    /// Routes a parsed request (model names resolved first); with the `model` the engine must
+    /// see when an alias or the single-model fallback applied.
+    pub fn route(
+        &mut self,
+        parsed: &ParsedRequest<'_>,
+        now: f64,
+    ) -> Result<(Decision, Option<String>), ModelError> {
+        // Fields, not `self.resolve`: the resolution borrows the maps while the router routes.
+        let resolution = resolve(
+            self.router.fleet(),
+            &self.adapters,
+            &self.aliases,
+            self.strict_models,
+            &parsed.model,
+        )?;
+        if resolution.via == Via::Fallback {
+            note_fallback(&mut self.fallback_log, &parsed.model, &resolution.model);
+        }
+        let upstream = resolution.upstream_model().map(str::to_string);
         let router = &mut self.router;
-        parsed.with_route_request(model, adapter, |r| router.route(r, now))
+        let decision = parsed
+            .with_route_request(&resolution.model, resolution.adapter, |r| {
+                router.route(r, now)
+            })
+            .map_err(|_| ModelError::Unknown(parsed.model.to_string()))?;
+        Ok((decision, upstream))
     }
 
     /// Every served name: base models (no parent) and adapters (with their base model).
@@ -137,6 +184,29 @@ impl Brain {
         }
         for (a, base) in &self.adapters {
             out.entry(a.clone()).or_insert_with(|| Some(base.clone()));
+        }
+        out
+    }
+
+    /// What `/v1/models` lists: id -> (root, parent). The catalog (root = the name itself), then
+    /// every alias whose target resolves (root = the target, parent = the target's base model
+    /// when the target is an adapter); an alias shadows a served name, as in routing.
+    pub fn listing(&self) -> BTreeMap<String, (String, Option<String>)> {
+        let catalog = self.catalog();
+        let mut out: BTreeMap<String, (String, Option<String>)> = catalog
+            .iter()
+            .map(|(name, parent)| (name.clone(), (name.clone(), parent.clone())))
+            .collect();
+        for (alias, target) in &self.aliases {
+            match catalog.get(target) {
+                Some(parent) => {
+                    out.insert(alias.clone(), (target.clone(), parent.clone()));
+                }
+                // The target is not served: requests for the alias get 404, so it is not listed.
+                None => {
+                    out.remove(alias);
+                }
+            }
         }
         out
     }
@@ -156,17 +226,15 @@ impl Brain {
     }
 }
 
-fn resolve_in<'a>(
-    router: &Router,
-    adapters: &'a HashMap<String, String>,
-    requested: &'a str,
-) -> (&'a str, Option<&'a str>) {
-    if router.fleet().serving(requested).is_empty() {
-        if let Some(base) = adapters.get(requested) {
-            return (base.as_str(), Some(requested));
-        }
+/// Logs, once per name (see [`FallbackLog`]), that an unknown name went to the only model.
+fn note_fallback(log: &mut FallbackLog, requested: &str, model: &str) {
+    if log.first_time(requested, model) {
+        tracing::info!(
+            requested,
+            model,
+            "unknown model name sent to the fleet's only model (--strict-models refuses it)"
+        );
     }
-    (requested, None)
 }
 
 /// The gateway: everything handlers and background tasks share.
@@ -196,6 +264,15 @@ impl Gateway {
             .map(|d| d.subsec_nanos() ^ (d.as_secs() as u32))
             .unwrap_or(0);
         let mut brain = Brain::new(router);
+        // The flags' aliases; `start` merges in the fleet file's and checks them together.
+        brain.set_aliases(
+            settings
+                .model_aliases
+                .iter()
+                .map(|(a, t)| (a.clone(), t.clone()))
+                .collect(),
+        );
+        brain.set_strict_models(settings.strict_models);
         if settings.router.placement.enabled {
             brain.placement = Some(crate::placement::PlacementState::new(
                 settings.router.placement.clone(),
@@ -291,6 +368,88 @@ impl Gateway {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::BackendMetrics;
+
+    fn brain(backends: &[(&str, &str, &[&str])]) -> Brain {
+        let mut brain = Brain::new(Router::new(Default::default()).unwrap());
+        for (name, model, adapters) in backends {
+            let spec = BackendSpec {
+                name: name.to_string(),
+                address: format!("http://127.0.0.1:1/{name}"),
+                models: vec![model.to_string()],
+                adapters: adapters.iter().map(|a| a.to_string()).collect(),
+                ..BackendSpec::default()
+            };
+            let id = brain.router.add_instance(spec.instance_spec()).unwrap();
+            let b = Backend::new(spec.clone(), spec, id, BackendMetrics::detached()).unwrap();
+            brain.insert(Arc::new(b));
+        }
+        brain
+    }
+
+    fn aliases(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(a, t)| (a.to_string(), t.to_string()))
+            .collect()
+    }
+
+    fn route(brain: &mut Brain, model: &str) -> Result<Option<String>, ModelError> {
+        let body = format!(r#"{{"model":"{model}","prompt":"hi"}}"#);
+        let parsed = crate::parse::parse(body.as_bytes(), None).unwrap();
+        brain.route(&parsed, 0.0).map(|(_, upstream)| upstream)
+    }
+
+    #[test]
+    fn routing_reports_the_model_to_send_upstream() {
+        let mut b = brain(&[("a", "llama", &["sql-lora"]), ("b", "qwen", &[])]);
+        b.set_aliases(aliases(&[("gpt-4o", "qwen"), ("sql", "sql-lora")]));
+        assert_eq!(route(&mut b, "qwen"), Ok(None));
+        assert_eq!(route(&mut b, "sql-lora"), Ok(None));
+        assert_eq!(route(&mut b, "gpt-4o"), Ok(Some("qwen".into())));
+        assert_eq!(route(&mut b, "sql"), Ok(Some("sql-lora".into())));
+        assert_eq!(
+            route(&mut b, "other"),
+            Err(ModelError::Unknown("other".into()))
+        );
+        // Embeddings resolve the same way.
+        let (ids, upstream) = b.least_loaded("gpt-4o", 0).unwrap();
+        assert_eq!((ids.len(), upstream.as_deref()), (1, Some("qwen")));
+    }
+
+    #[test]
+    fn a_single_model_brain_falls_back_and_remembers_the_name() {
+        let mut b = brain(&[("a", "llama", &[]), ("b", "llama", &[])]);
+        assert_eq!(route(&mut b, "gpt-4o"), Ok(Some("llama".into())));
+        assert_eq!(route(&mut b, "gpt-4o"), Ok(Some("llama".into())));
+        assert_eq!(b.fallback_log.len(), 1);
+        b.set_strict_models(true);
+        assert_eq!(
+            route(&mut b, "gpt-4o"),
+            Err(ModelError::Unknown("gpt-4o".into()))
+        );
+    }
+
+    #[test]
+    fn the_listing_shows_aliases_whose_target_is_served() {
+        let mut b = brain(&[("a", "llama", &["sql-lora"]), ("b", "qwen", &[])]);
+        b.set_aliases(aliases(&[
+            ("gpt-4o", "qwen"),
+            ("sql", "sql-lora"),
+            ("broken", "nowhere"),
+            ("llama", "qwen"),
+        ]));
+        let l = b.listing();
+        let entry = |id: &str| l.get(id).map(|(r, p)| (r.as_str(), p.as_deref()));
+        assert_eq!(entry("gpt-4o"), Some(("qwen", None)));
+        assert_eq!(entry("sql"), Some(("sql-lora", Some("llama"))));
+        assert_eq!(entry("sql-lora"), Some(("sql-lora", Some("llama"))));
+        assert_eq!(entry("qwen"), Some(("qwen", None)));
+        // An alias shadows the served name, as in routing.
+        assert_eq!(entry("llama"), Some(("qwen", None)));
+        assert_eq!(entry("broken"), None);
+        assert_eq!(l.len(), 5);
+    }
 
     #[test]
     fn generated_request_ids_read_as_before() {

@@ -25,10 +25,19 @@ impl Drop for FleetWatcher {
     }
 }
 
-/// Loads the file and applies it; false (and the fleet unchanged) when it does not load.
+/// Loads the file and applies it (backends and model aliases); false (and the fleet unchanged)
+/// when it does not load or its aliases conflict with the flags'.
 pub fn reload(gw: &Arc<Gateway>, path: &std::path::Path) -> bool {
-    match load_fleet_file(path) {
-        Ok(specs) => {
+    let loaded = load_fleet_file(path)
+        .map_err(|e| e.to_string())
+        .and_then(|file| {
+            crate::models::merge_aliases(&gw.settings.model_aliases, &file.model_aliases)
+                .map(|aliases| (file.backends, aliases))
+                .map_err(|e| format!("{}: {e}", path.display()))
+        });
+    match loaded {
+        Ok((specs, aliases)) => {
+            gw.brain.lock().set_aliases(aliases);
             fleet::apply_file(gw, specs);
             gw.metrics.reload(true);
             true

@@ -100,6 +100,8 @@ impl Leg {
             candidates: vec![backend.clone()],
             prompt_tokens: 0,
             explain: None,
+            // The body was rewritten before the legs were built.
+            upstream_model: None,
         };
         // One candidate: `attempt` handles the stale pooled connection, counts a failed
         // connection (metrics, health) and returns any answer as it is.

@@ -167,6 +167,7 @@ fn decode_candidates(gw: &Gateway, prefill: &Routed) -> Routed {
         candidates,
         prompt_tokens: prefill.prompt_tokens,
         explain: prefill.explain.clone(),
+        upstream_model: None,
     }
 }
 

@@ -1,0 +1,69 @@
+//! The documentation keeps up with the binary: every flag `switchyard serve --help` lists is in
+//! the flags table of docs/gateway.md, and every flag that table lists still exists.
+
+use std::collections::BTreeSet;
+use std::process::Command;
+
+/// The long flags of a `--help` text (`--help` and `--version` aside).
+fn help_flags(help: &str) -> BTreeSet<String> {
+    help.lines()
+        .map(str::trim_start)
+        .filter_map(|l| {
+            let l = l.strip_prefix("-h, ").unwrap_or(l);
+            let l = l.strip_prefix("--")?;
+            let name: String = l
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .collect();
+            Some(format!("--{name}"))
+        })
+        .filter(|f| f != "--help" && f != "--version" && f.len() > 2)
+        .collect()
+}
+
+/// The flags in the first column of the `## Flags` table of docs/gateway.md.
+fn documented_flags(doc: &str) -> BTreeSet<String> {
+    let section = doc
+        .split("\n## Flags")
+        .nth(1)
+        .expect("a Flags section")
+        .split("\n## ")
+        .next()
+        .unwrap_or_default();
+    section
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `--"))
+        .filter_map(|l| l.split('`').next())
+        .map(|f| format!("--{f}"))
+        .collect()
+}
+
+#[test]
+fn serve_flags_are_documented() {
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["serve", "--help"])
+        .output()
+        .expect("runs");
+    assert!(out.status.success());
+    let help = help_flags(&String::from_utf8_lossy(&out.stdout));
+    assert!(
+        help.contains("--listen") && help.contains("--backend"),
+        "{help:?}"
+    );
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/gateway.md"
+    ))
+    .expect("docs/gateway.md");
+    let documented = documented_flags(&doc);
+    let missing: Vec<_> = help.difference(&documented).collect();
+    assert!(
+        missing.is_empty(),
+        "in `serve --help` but not in docs/gateway.md's flags table: {missing:?}"
+    );
+    let stale: Vec<_> = documented.difference(&help).collect();
+    assert!(
+        stale.is_empty(),
+        "in docs/gateway.md's flags table but not in `serve --help`: {stale:?}"
+    );
+}
