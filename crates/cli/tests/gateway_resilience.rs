@@ -389,3 +389,49 @@ async fn embeddings_are_routed_by_load() {
     .await;
     assert_eq!(r.status, 404);
 }
+
+#[tokio::test]
+async fn a_stream_is_settled_at_done_even_if_the_client_leaves_at_once() {
+    // Clients stop reading at `data: [DONE]` and close; the engine's body may end later (or,
+    // here, never). The request is complete at `[DONE]`: counted ok, not cancelled.
+    let fake = FakeEngine::start(Fake::DoneThenHold).await;
+    let gw = gateway(&["--backend", &fake.backend(), "--max-retries", "0"]);
+    let c = client();
+    let body = json!({"model": MODEL, "prompt": "done", "max_tokens": 1, "stream": true});
+    let mut r = c
+        .post(gw.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let mut seen = String::new();
+    while !seen.contains("[DONE]") {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), r.chunk())
+            .await
+            .expect("a chunk in time")
+            .expect("read")
+            .expect("the stream goes on until [DONE]");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    drop(r);
+    let counted = |outcome: &'static str| {
+        let c = c.clone();
+        let url = gw.url("/metrics");
+        async move {
+            let m = get_with(&c, &url, &[]).await.text;
+            metric_sum(
+                &m,
+                "switchyard_requests_total",
+                &[&format!("outcome=\"{outcome}\"")],
+            )
+        }
+    };
+    let ok = poll(Duration::from_secs(10), || async {
+        let n = counted("ok").await;
+        (n >= 1.0).then_some(n)
+    })
+    .await;
+    assert_eq!(ok, Some(1.0), "the request was not counted ok");
+    assert_eq!(counted("cancelled").await, 0.0);
+}

@@ -178,6 +178,17 @@ fn event_data(event: &[u8]) -> Option<Vec<u8>> {
     (!out.is_empty() && out != b"[DONE]").then_some(out)
 }
 
+/// Whether an SSE event is the `data: [DONE]` terminator.
+fn is_done_event(event: &[u8]) -> bool {
+    contains(event, b"[DONE]")
+        && event.split(|&b| b == b'\n').any(|line| {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            line.strip_prefix(b"data:")
+                .map(|rest| rest.strip_prefix(b" ").unwrap_or(rest))
+                == Some(b"[DONE]".as_slice())
+        })
+}
+
 /// Watches an SSE stream for usage; optionally removes the usage-only chunk we asked for.
 #[derive(Debug, Default)]
 pub struct SseScanner {
@@ -185,6 +196,9 @@ pub struct SseScanner {
     strip_usage: bool,
     /// The latest usage seen.
     pub usage: Option<Usage>,
+    /// The `data: [DONE]` terminator was seen: the answer is complete, whatever the connection
+    /// does next (clients often close it at once).
+    pub done: bool,
 }
 
 impl SseScanner {
@@ -235,6 +249,9 @@ impl SseScanner {
         let mut start = 0;
         while let Some(e) = event_end(&complete, start) {
             let event = &complete[start..e];
+            if !self.done && is_done_event(event) {
+                self.done = true;
+            }
             let usage_only = self.inspect(event);
             if self.strip_usage && usage_only {
                 if kept.is_none() {
@@ -287,6 +304,8 @@ struct Track {
     first_seen: bool,
     predicted_cached: u32,
     scan: Scan,
+    /// Settled as finished (at `[DONE]` or the body's end): later ends are no-ops.
+    ended: bool,
 }
 
 impl Track {
@@ -315,7 +334,16 @@ impl Track {
         }
     }
 
+    /// Whether the stream's `[DONE]` has been seen.
+    fn saw_done(&self) -> bool {
+        matches!(&self.scan, Scan::Sse(s) if s.done)
+    }
+
     fn on_end(&mut self) -> Bytes {
+        if self.ended {
+            return Bytes::new();
+        }
+        self.ended = true;
         let (rest, usage) = match &mut self.scan {
             Scan::Sse(s) => {
                 let rest = s.finish();
@@ -390,6 +418,7 @@ impl ObservedBody {
                 first_seen: false,
                 predicted_cached,
                 scan,
+                ended: false,
             }),
             _guard: None,
             done: false,
@@ -442,6 +471,20 @@ impl Body for ObservedBody {
                                 }
                                 if out.is_empty() {
                                     return Poll::Ready(None);
+                                }
+                            } else if track.saw_done() {
+                                // The answer is complete at `[DONE]`: settle now, so a client
+                                // that closes the connection at once is not counted as
+                                // cancelled and the router learns from the usage. Frames that
+                                // follow are still passed on (the connection stays reusable).
+                                let rest = track.on_end();
+                                if !rest.is_empty() {
+                                    let mut joined = BytesMut::from(&out[..]);
+                                    joined.extend_from_slice(&rest);
+                                    out = joined.freeze();
+                                }
+                                if out.is_empty() {
+                                    continue;
                                 }
                             } else if out.is_empty() {
                                 // Everything was held back or stripped: read on.
@@ -497,6 +540,23 @@ mod tests {
     const USAGE: &str = "data: {\"id\":\"x\",\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":3,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n";
     const CHUNK: &str = "data: {\"id\":\"x\",\"choices\":[{\"index\":0,\"text\":\"hi\"}]}\n\n";
     const DONE: &str = "data: [DONE]\n\n";
+
+    #[test]
+    fn the_done_terminator_is_seen_even_when_split() {
+        let mut s = SseScanner::new(false);
+        s.feed(Bytes::from(CHUNK));
+        assert!(!s.done);
+        s.feed(Bytes::from("data: [DO"));
+        assert!(!s.done, "an incomplete event is not the end");
+        s.feed(Bytes::from("NE]\n\n"));
+        assert!(s.done);
+        // Text that merely mentions it is not the terminator.
+        let mut t = SseScanner::new(false);
+        t.feed(Bytes::from(
+            "data: {\"choices\":[{\"text\":\"[DONE]\"}]}\n\n",
+        ));
+        assert!(!t.done);
+    }
 
     #[test]
     fn usage_from_json_and_llamacpp_timings() {

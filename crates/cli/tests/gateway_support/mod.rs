@@ -350,6 +350,9 @@ pub enum Fake {
     Ok,
     /// Generation requests are read and never answered (health passes).
     Hang,
+    /// Generation requests get a streamed answer that ends in `data: [DONE]` with usage, and the
+    /// body is then never terminated (the connection is held open).
+    DoneThenHold,
 }
 
 /// A fake engine on an ephemeral port; counts the generation requests it saw.
@@ -459,6 +462,23 @@ impl FakeEngine {
                                 // Says keep-alive, but will close instead of answering the next
                                 // request on this connection.
                                 response("200 OK", body, true)
+                            }
+                            (Fake::DoneThenHold, false) => {
+                                let events = concat!(
+                                    "data: {\"choices\":[{\"index\":0,\"text\":\"x\"}]}\n\n",
+                                    "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,",
+                                    "\"completion_tokens\":1,\"prompt_tokens_details\":",
+                                    "{\"cached_tokens\":0}}}\n\n",
+                                    "data: [DONE]\n\n"
+                                );
+                                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+                                let chunk = format!("{head}{:x}\r\n{events}\r\n", events.len());
+                                if s.write_all(chunk.as_bytes()).await.is_err() {
+                                    return;
+                                }
+                                // No terminating chunk: the body never ends.
+                                std::future::pending::<()>().await;
+                                return;
                             }
                             (Fake::Ok, false) => {
                                 let path = line.split(' ').nth(1).unwrap_or("").to_string();
