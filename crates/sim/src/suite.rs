@@ -447,6 +447,9 @@ fn fleet_text(fleet: &[InstanceGroup]) -> String {
         .join(" + ")
 }
 
+/// A trace file and its block size.
+type TraceKey = (std::path::PathBuf, u32);
+
 /// A workload ready to run: the trace rows read once.
 struct Prepared {
     workload: SuiteWorkload,
@@ -457,15 +460,27 @@ struct Prepared {
 }
 
 impl Prepared {
-    fn new(workload: SuiteWorkload) -> Result<Prepared> {
+    /// `traces` keeps the trace files read so far (by path and block size), read once each.
+    fn new(
+        workload: SuiteWorkload,
+        traces: &mut Vec<(TraceKey, Arc<Vec<TraceRow>>)>,
+    ) -> Result<Prepared> {
         let mut rows = None;
         let mut trace_rate = 1.0;
         if let WorkloadSpec::Trace(t) = &workload.spec {
-            let all = read_trace(&t.resolved_path(), t.block_tokens)?;
+            let key = (t.resolved_path(), t.block_tokens);
+            let all = match traces.iter().find(|(k, _)| *k == key) {
+                Some((_, rows)) => rows.clone(),
+                None => {
+                    let rows = Arc::new(read_trace(&key.0, key.1)?);
+                    traces.push((key, rows.clone()));
+                    rows
+                }
+            };
             let n = t
                 .max_requests
                 .map_or(all.len(), |m| all.len().min(m as usize));
-            let kept: Vec<TraceRow> = all.into_iter().take(n).collect();
+            let kept: Vec<TraceRow> = all[..n].to_vec();
             let span = match (kept.first(), kept.last()) {
                 (Some(a), Some(b)) => (b.timestamp - a.timestamp) / 1000.0,
                 _ => 0.0,
@@ -732,9 +747,10 @@ pub fn run_suite(options: &SuiteOptions, log: &(dyn Fn(&str) + Sync)) -> Result<
             reason: format!("workload `{}` would run no baseline", w.name),
         });
     }
+    let mut traces = Vec::new();
     let prepared = chosen
         .into_iter()
-        .map(Prepared::new)
+        .map(|w| Prepared::new(w, &mut traces))
         .collect::<Result<Vec<_>>>()?;
 
     // Calibrate (each workload's search is sequential; workloads run in parallel).
