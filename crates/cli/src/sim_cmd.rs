@@ -16,7 +16,7 @@ use switchyard_sim::{FleetFile, InstanceGroup, SimConfig, Split};
 /// Arguments of `switchyard sim`.
 #[derive(Debug, Args)]
 pub struct SimArgs {
-    /// Policies to compare, comma-separated (default: all).
+    /// Policies to compare, comma-separated (default: all; with --suite: the baselines kept).
     #[arg(long, value_delimiter = ',')]
     policies: Vec<String>,
 
@@ -135,9 +135,34 @@ pub struct SimArgs {
     /// Instances charted in the queue chart (the first ones).
     #[arg(long, default_value_t = 16)]
     queue_instances: usize,
-    /// Write results.json, results.md and SVG charts here.
+    /// Write results.json, results.md and SVG charts here (with --suite: results.json, suite.md).
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+
+    /// Run the workload suite instead: `cost` against the baselines on eight workloads, at
+    /// round-robin's calibrated capacity and in overload, over --seeds; prints one table of
+    /// ratios. The workload, fleet and router flags above are ignored.
+    #[arg(long)]
+    suite: bool,
+    /// Suite: seeds of the compared runs.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    seeds: Vec<u64>,
+    /// Suite: multiply every workload's request count by this (0.1-0.3 for a quick look).
+    #[arg(long, default_value_t = 1.0)]
+    suite_scale: f64,
+    /// Suite: only these workloads (mooncake, zipf, prefill-heavy, decode-heavy, bursty,
+    /// long-tail, lora, pd).
+    #[arg(long, value_delimiter = ',', value_name = "NAME[,NAME]")]
+    suite_only: Vec<String>,
+    /// Suite: overload is this many times the calibrated knee rate.
+    #[arg(long, default_value_t = 1.3)]
+    suite_overload: f64,
+    /// Suite: fixed knee rates (requests/s) instead of calibrating, e.g. zipf=80,pd=6.
+    #[arg(long, value_delimiter = ',', value_name = "NAME=RATE")]
+    suite_rates: Vec<String>,
+    /// Suite: simulations run in parallel (results do not depend on it).
+    #[arg(long, default_value_t = 1)]
+    suite_jobs: usize,
 }
 
 fn workload(args: &SimArgs) -> anyhow::Result<WorkloadSpec> {
@@ -268,8 +293,49 @@ fn sim_config(args: &SimArgs) -> anyhow::Result<SimConfig> {
     })
 }
 
+/// Runs `switchyard sim --suite`.
+fn run_suite(args: &SimArgs) -> anyhow::Result<()> {
+    let rates = args
+        .suite_rates
+        .iter()
+        .map(|kv| {
+            let (name, rate) = kv
+                .split_once('=')
+                .with_context(|| format!("--suite-rates: `{kv}` is not NAME=RATE"))?;
+            let rate: f64 = rate
+                .parse()
+                .with_context(|| format!("--suite-rates: bad rate in `{kv}`"))?;
+            if !(rate.is_finite() && rate > 0.0) {
+                bail!("--suite-rates: rate in `{kv}` must be > 0");
+            }
+            Ok((name.to_string(), rate))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let options = switchyard_sim::suite::SuiteOptions {
+        seeds: args.seeds.clone(),
+        scale: args.suite_scale,
+        only: args.suite_only.clone(),
+        policies: args.policies.clone(),
+        overload: args.suite_overload,
+        rates,
+        jobs: args.suite_jobs.max(1),
+    };
+    let started = std::time::Instant::now();
+    let results = switchyard_sim::suite::run_suite(&options, &|line| eprintln!("{line}"))?;
+    print!("{}", results.text_table());
+    println!("wall time: {:.1} s", started.elapsed().as_secs_f64());
+    if let Some(dir) = &args.out {
+        results.write(dir)?;
+        println!("wrote {}", dir.display());
+    }
+    Ok(())
+}
+
 /// Runs `switchyard sim`.
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
+    if args.suite {
+        return run_suite(&args);
+    }
     let spec = workload(&args)?;
     let config = sim_config(&args)?;
     let policies: Vec<String> = if args.policies.is_empty() {

@@ -14,6 +14,7 @@
 //! - [`metrics`]: per-request records and the summary row.
 //! - [`lower_bound`]: the analytic lower-bound row.
 //! - [`report`]: text, Markdown and JSON.
+//! - [`suite`]: the workload suite (`cost` against the baselines on eight workloads).
 //! - [`charts`]: SVG charts.
 
 pub mod charts;
@@ -26,6 +27,7 @@ pub mod lower_bound;
 pub mod metrics;
 pub mod prompt;
 pub mod report;
+pub mod suite;
 
 use std::path::Path;
 use std::time::Instant;

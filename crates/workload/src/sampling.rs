@@ -1,20 +1,34 @@
 //! Small distributions shared by the generators.
 
 use rand::Rng;
-use rand_distr::{Distribution, Exp, Zipf};
+use rand_distr::{Distribution, Exp, LogNormal, Zipf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ensure, Result};
 use crate::WorkloadError;
 
-/// A whole number: fixed, or uniform over `[min, max]` (inclusive).
+/// A whole number: fixed, uniform over `[min, max]` (inclusive), or long-tailed (log-normal,
+/// clamped to `[min, max]`).
 ///
-/// In JSON a plain number means fixed: `128` or `{"min": 64, "max": 256}`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// In JSON a plain number means fixed: `128`, `{"min": 64, "max": 256}` or
+/// `{"median": 1024, "sigma": 1.0, "min": 64, "max": 32768}`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Count {
     /// Always this value.
     Fixed(u32),
+    /// Log-normal: `exp(N(ln median, sigma²))`, rounded and clamped to `[min, max]`
+    /// (listed before `Uniform` so that its extra fields decide the untagged parse).
+    LogNormal {
+        /// Median of the unclamped distribution.
+        median: u32,
+        /// Standard deviation of the logarithm (1.0: the 90th percentile is 3.6× the median).
+        sigma: f64,
+        /// Smallest value.
+        min: u32,
+        /// Largest value.
+        max: u32,
+    },
     /// Uniform over `min..=max`.
     Uniform {
         /// Smallest value.
@@ -32,6 +46,18 @@ impl Count {
             Count::Uniform { min, max } => {
                 ensure(min <= max, || format!("{what}: min {min} > max {max}"))
             }
+            Count::LogNormal {
+                median,
+                sigma,
+                min,
+                max,
+            } => {
+                ensure(min <= max, || format!("{what}: min {min} > max {max}"))?;
+                ensure(median >= 1, || format!("{what}: median must be >= 1"))?;
+                ensure(sigma.is_finite() && sigma >= 0.0, || {
+                    format!("{what}: sigma must be finite and >= 0, got {sigma}")
+                })
+            }
         }
     }
 
@@ -40,6 +66,16 @@ impl Count {
         match *self {
             Count::Fixed(n) => n,
             Count::Uniform { min, max } => rng.random_range(min..=max),
+            Count::LogNormal {
+                median,
+                sigma,
+                min,
+                max,
+            } => match LogNormal::new(f64::from(median.max(1)).ln(), sigma) {
+                Ok(d) => (d.sample(rng).round().clamp(f64::from(min), f64::from(max))) as u32,
+                // Unreachable after validate: sigma is finite and non-negative.
+                Err(_) => median.clamp(min, max),
+            },
         }
     }
 
@@ -47,7 +83,7 @@ impl Count {
     pub fn min(&self) -> u32 {
         match *self {
             Count::Fixed(n) => n,
-            Count::Uniform { min, .. } => min,
+            Count::Uniform { min, .. } | Count::LogNormal { min, .. } => min,
         }
     }
 }
@@ -138,6 +174,38 @@ mod tests {
         }
         assert_eq!(seen, [false, false, true, true, true]);
         assert!(Count::Uniform { min: 3, max: 2 }.validate("x").is_err());
+    }
+
+    #[test]
+    fn log_normal_counts_are_long_tailed_and_clamped() {
+        let c: Count =
+            serde_json::from_str(r#"{"median": 1000, "sigma": 1.0, "min": 50, "max": 20000}"#)
+                .unwrap();
+        assert!(matches!(c, Count::LogNormal { median: 1000, .. }));
+        assert_eq!(
+            serde_json::from_str::<Count>(&serde_json::to_string(&c).unwrap()).unwrap(),
+            c
+        );
+        c.validate("x").unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut v: Vec<u32> = (0..20_000).map(|_| c.sample(&mut rng)).collect();
+        v.sort_unstable();
+        assert!(v.iter().all(|&x| (50..=20_000).contains(&x)));
+        let median = v[v.len() / 2];
+        assert!((900..1100).contains(&median), "{median}");
+        // exp(1.2816) = 3.6: the 90th percentile is about 3.6× the median.
+        let p90 = v[v.len() * 9 / 10];
+        assert!((3200..4000).contains(&p90), "{p90}");
+        let bad = Count::LogNormal {
+            median: 10,
+            sigma: -1.0,
+            min: 1,
+            max: 5,
+        };
+        assert!(bad.validate("x").is_err());
+        // A plain range still parses as uniform.
+        let u: Count = serde_json::from_str(r#"{"min":2,"max":4}"#).unwrap();
+        assert_eq!(u, Count::Uniform { min: 2, max: 4 });
     }
 
     #[test]
