@@ -495,3 +495,26 @@ async fn a_prefill_decode_pair_serves_disaggregated_requests() {
     // Two decode legs and the short request run whole.
     assert_eq!(ok(&decode), 3.0);
 }
+
+#[tokio::test]
+async fn a_non_streamed_answer_teaches_no_prefill_speed() {
+    // The first byte of a JSON answer arrives after the whole generation; were it taken for the
+    // first token, the router would learn a prefill speed from it.
+    let e = engine(&[]);
+    let gw = gateway(&["--backend", &backend(&e), "--admin-token", "t"]);
+    let c = client();
+    let body = json!({"model": MODEL, "prompt": prompt("slow", 2000), "max_tokens": 300});
+    let r = post(&c, &gw.url("/v1/completions"), &body).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let fleet = get_with(
+        &c,
+        &gw.url("/admin/fleet"),
+        &[("authorization", "Bearer t")],
+    )
+    .await
+    .json();
+    let speed = fleet["backends"][0]["learned"]["prefill_tokens_per_s"]
+        .as_f64()
+        .expect("learned speed");
+    assert_eq!(speed, 20_000.0, "learned from a whole generation: {fleet}");
+}

@@ -311,7 +311,9 @@ struct Track {
 impl Track {
     /// One data frame; `last`: the body ends with it.
     fn on_data(&mut self, data: Bytes, last: bool) -> Bytes {
-        if !self.first_seen {
+        // A JSON answer's first byte comes after the whole generation: it is no first token, and
+        // taking it for one would teach the router prefill speeds from whole generations.
+        if !self.first_seen && matches!(self.scan, Scan::Sse(_)) {
             self.first_seen = true;
             self.guard.first_token();
             self.guard
