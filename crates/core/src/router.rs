@@ -14,7 +14,10 @@ use crate::fleet::{Fleet, Health, Instance, InstanceId, InstanceSpec, Learned, R
 use crate::ladder::LoadLadder;
 use crate::observe::{Observation, ObserveError, Usage};
 use crate::policy::{self, Policy, ScoringContext, Stage, TieBreak};
-use crate::prefix::{chain_seed, prompt_block_hashes, BlockMatch, PrefixIndex, Slot};
+use crate::prefix::{
+    chain_seed, tapered_depth, tapered_end, tapered_prompt_block_hashes, BlockMatch, PrefixIndex,
+    Slot,
+};
 use crate::request::{Phase, RequestId, RouteRequest};
 
 /// Why a request could not be routed at all.
@@ -37,6 +40,8 @@ struct InFlight {
     kv_tokens: u64,
     /// Prefill work (tokens) ahead of and including this request when it was routed.
     work_tokens: u64,
+    /// Whether its TTFT measures a prefill here (not for the decode leg of a hand-off).
+    learns_speed: bool,
     matched_blocks: u32,
     predicted_cached_tokens: u32,
     /// Touch sequence of each matched block when the request was routed.
@@ -158,6 +163,8 @@ impl Router {
         let e = &self.config.estimates;
         Learned {
             prefill_tokens_per_s: spec.prefill_tokens_per_s.unwrap_or(e.prefill_tokens_per_s),
+            fixed_ttft_s: e.ttft_overhead_s,
+            ttft_fit: Default::default(),
             service_time_s: e.service_time_s,
             cache_trust: 1.0,
             mean_uncached_tokens: 1000.0,
@@ -193,7 +200,7 @@ impl Router {
         let uses_index = self.policy.uses_prefix_index();
         if uses_index {
             let seed = chain_seed(request.model, request.adapter, request.cache_salt);
-            prompt_block_hashes(
+            tapered_prompt_block_hashes(
                 &request.prompt,
                 seed,
                 self.config.index.block_bytes,
@@ -437,7 +444,7 @@ impl Router {
         prompt_tokens: u32,
         token_ids: Option<&[u32]>,
     ) {
-        let tokens_per_block = self.config.index.block_bytes as f64 / self.bytes_per_token;
+        let block_bytes = self.config.index.block_bytes;
         // At least one prompt token is always computed, as engines do.
         let max_cached = prompt_tokens.saturating_sub(1);
         for c in candidates.iter_mut() {
@@ -445,11 +452,12 @@ impl Router {
             let blocks = self.depth_by_slot[slot as usize];
             let held = match self.fleet.get(c.instance) {
                 Some(instance) if blocks > 0 => {
-                    expected_held_blocks(&self.index, slot, &self.hashes, blocks, instance)
+                    held_share(&self.index, slot, &self.hashes, blocks, instance)
                 }
-                _ => f64::from(blocks),
+                _ => 1.0,
             };
-            let mut cached = (held * tokens_per_block) as u32;
+            let bytes = tapered_end(blocks, block_bytes) as f64 * held;
+            let mut cached = (bytes / self.bytes_per_token) as u32;
             if let Some(tokens) = token_ids {
                 if let Some(exact) = self.exact.cached_tokens(c.instance.slot, tokens) {
                     cached = exact;
@@ -638,6 +646,7 @@ impl Router {
                 uncached_tokens: uncached,
                 kv_tokens,
                 work_tokens,
+                learns_speed: !plan.is_decode_only,
                 matched_blocks: plan.matched_blocks,
                 predicted_cached_tokens: plan.predicted_cached_tokens,
                 matched_seqs,
@@ -668,16 +677,24 @@ impl Router {
         instance.load.pending_tokens -= u64::from(record.uncached_tokens);
         instance.load.running_requests += 1;
         self.pending_inserts[record.instance.slot as usize].remove(&record.pending_key);
-        let elapsed = now - record.routed_at - e.ttft_overhead_s;
-        if record.work_tokens >= e.min_sample_tokens && elapsed > 0.0 {
+        let elapsed = now - record.routed_at;
+        if record.learns_speed && record.work_tokens >= e.min_sample_tokens && elapsed >= 0.0 {
             let prior = instance
                 .spec
                 .prefill_tokens_per_s
                 .unwrap_or(e.prefill_tokens_per_s);
-            let sample = (record.work_tokens as f64 / elapsed).clamp(prior / 16.0, prior * 16.0);
             let learned = &mut instance.learned;
-            learned.prefill_tokens_per_s =
-                ewma(learned.prefill_tokens_per_s, sample, e.learning_rate);
+            learned
+                .ttft_fit
+                .add(
+                    record.work_tokens as f64,
+                    elapsed,
+                    e.learning_rate * 0.5,
+                    (prior, e.ttft_overhead_s),
+                );
+            let fitted = learned.ttft_fit.fitted(prior, e.ttft_overhead_s);
+            learned.prefill_tokens_per_s = fitted.tokens_per_s;
+            learned.fixed_ttft_s = fitted.fixed_s;
         }
         let id = record.instance;
         self.relevel(id);
@@ -755,8 +772,8 @@ impl Router {
             return;
         }
         let rate = self.config.estimates.learning_rate;
-        let tokens_per_block = self.config.index.block_bytes as f64 / self.bytes_per_token;
-        let reported = (f64::from(cached) / tokens_per_block).floor() as usize;
+        let cached_bytes = (f64::from(cached) * self.bytes_per_token) as usize;
+        let reported = tapered_depth(cached_bytes, self.config.index.block_bytes) as usize;
         let matched = (record.matched_blocks as usize).min(record.matched_seqs.len());
         let age = |k: usize| record.route_seq.saturating_sub(record.matched_seqs[k]);
         let Some(instance) = self.fleet.get_mut(record.instance) else {
@@ -817,10 +834,10 @@ impl Router {
     }
 }
 
-/// Matched blocks the instance is expected to still hold: the matched run weighted by the
-/// learned survival of its blocks' ages, sampled at the first, middle and last block (one
-/// prompt's blocks are touched together, so their ages differ little).
-fn expected_held_blocks(
+/// Share of the matched run the instance is expected to still hold: the learned survival of its
+/// blocks' ages, sampled at the first, middle and last block (one prompt's blocks are touched
+/// together, so their ages differ little).
+fn held_share(
     index: &PrefixIndex,
     slot: Slot,
     hashes: &[u64],
@@ -829,7 +846,7 @@ fn expected_held_blocks(
 ) -> f64 {
     let survival = &instance.learned.survival;
     if survival.observations() == 0 {
-        return f64::from(blocks);
+        return 1.0;
     }
     let now = index.current_seq(slot);
     let p = |k: usize| {
@@ -840,7 +857,7 @@ fn expected_held_blocks(
     };
     let last = blocks as usize - 1;
     let (first, middle, deepest) = (p(0), p(last / 2), p(last));
-    f64::from(blocks) * (first + 2.0 * middle + deepest) / 4.0
+    (first + 2.0 * middle + deepest) / 4.0
 }
 
 /// The lowest score among eligible candidates (infinity if none).

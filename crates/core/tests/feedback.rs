@@ -3,13 +3,18 @@
 //! learned how the engine evicts.
 
 use proptest::prelude::*;
-use switchyard_core::prefix::{chain_seed, prompt_block_hashes};
+use switchyard_core::prefix::{chain_seed, tapered_end, tapered_prompt_block_hashes};
 use switchyard_core::{
     InstanceSpec, Observation, Prompt, RequestId, RouteRequest, Router, RouterConfig, Usage,
 };
 
 const BLOCK_BYTES: usize = 256;
-const TOKENS_PER_BLOCK: u32 = 64; // 256 bytes at 4 bytes per token
+const BYTES_PER_TOKEN: usize = 4;
+
+/// Tokens in the first `elements` elements of a chain (the index's tapered blocks).
+fn tokens(elements: usize) -> u32 {
+    (tapered_end(elements as u32, BLOCK_BYTES) / BYTES_PER_TOKEN) as u32
+}
 
 /// An LRU prefix cache of whole blocks, most recent first, as an engine keeps it.
 struct ReferenceEngine {
@@ -52,7 +57,7 @@ fn prompt(prefix: u8, tail: u8, prefix_blocks: usize, tail_blocks: usize) -> Str
 
 fn chain(text: &str) -> Vec<u64> {
     let mut out = Vec::new();
-    prompt_block_hashes(
+    tapered_prompt_block_hashes(
         &Prompt::Text(text),
         chain_seed("m", None, None),
         BLOCK_BYTES,
@@ -87,10 +92,11 @@ proptest! {
             let truly = engine.run(&blocks);
             prop_assert!(predicted >= truly, "the index lost a block the engine holds");
             router.observe(Observation::Routed { request: RequestId(n as u64), instance: id, plan }, n as f64).unwrap();
-            let cached = engine.serve(&blocks) as u32 * TOKENS_PER_BLOCK;
-            prop_assert_eq!(cached as usize / TOKENS_PER_BLOCK as usize, truly);
+            let served = engine.serve(&blocks);
+            prop_assert_eq!(served, truly);
+            let cached = tokens(served);
             router.observe(Observation::FirstToken(RequestId(n as u64)), n as f64 + 0.1).unwrap();
-            let usage = Usage { prompt_tokens: blocks.len() as u32 * TOKENS_PER_BLOCK, cached_tokens: Some(cached), completion_tokens: 1 };
+            let usage = Usage { prompt_tokens: tokens(blocks.len()), cached_tokens: Some(cached), completion_tokens: 1 };
             router.observe(Observation::Finished(RequestId(n as u64), Some(usage)), n as f64 + 0.2).unwrap();
 
             for other in pool.iter().chain(std::iter::once(&text)) {
@@ -148,12 +154,12 @@ fn prediction_error(disable_feedback: bool) -> f64 {
                 i as f64,
             )
             .unwrap();
-        let cached = engine.serve(&blocks) as u32 * TOKENS_PER_BLOCK;
+        let cached = tokens(engine.serve(&blocks));
         router
             .observe(Observation::FirstToken(request), i as f64 + 0.1)
             .unwrap();
         let usage = Usage {
-            prompt_tokens: blocks.len() as u32 * TOKENS_PER_BLOCK,
+            prompt_tokens: tokens(blocks.len()),
             cached_tokens: Some(cached),
             completion_tokens: 1,
         };

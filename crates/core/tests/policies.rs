@@ -329,9 +329,10 @@ fn feedback_discounts_what_the_engine_did_not_hold() {
     };
     let (older_blocks, older_cached) = predicted(&mut router, &older);
     assert!(older_blocks > 25);
-    assert!(older_cached < 1000, "{older_cached}");
+    assert!(older_cached < 1200, "{older_cached} of about 2000");
     assert!(predicted(&mut router, &newer).1 >= older_cached);
-    assert!(predicted(&mut router, &text).1 > 1900);
+    let text_cached = predicted(&mut router, &text).1;
+    assert!(text_cached as f64 > 1.5 * older_cached as f64, "{text_cached} vs {older_cached}");
     assert!(router.learned(ids[0]).unwrap().cache_trust < 1.0);
 }
 

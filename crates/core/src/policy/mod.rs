@@ -21,7 +21,7 @@ mod kubeai;
 mod routed_prefixes;
 mod sglang;
 
-pub use cost::{decode_terms, prefill_terms};
+pub use cost::{decode_terms, pooled_speed, prefill_terms};
 
 /// Names accepted by [`by_name`], the default first.
 pub const POLICY_NAMES: &[&str] = &[
