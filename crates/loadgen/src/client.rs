@@ -143,28 +143,48 @@ pub async fn send(
     }
 }
 
+/// Whether the connection closed before any of the answer came (hyper's incomplete message
+/// on the request itself): the server did not take the request.
+fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<hyper::Error>())
+        .is_some_and(hyper::Error::is_incomplete_message)
+}
+
 async fn exchange(
     client: &HttpClient,
     uri: hyper::Uri,
     body: Bytes,
     sent: Instant,
 ) -> std::result::Result<Success, Failure> {
-    let req = hyper::Request::post(uri)
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .header(http::header::ACCEPT, "text/event-stream")
-        .body(Full::new(body))
-        .map_err(|e| Failure {
-            kind: ErrorKind::Io,
-            message: format!("building the request: {e}"),
-        })?;
-    let response = client.request(req).await.map_err(|e| Failure {
-        kind: if e.is_connect() {
-            ErrorKind::Connect
-        } else {
-            ErrorKind::Io
-        },
-        message: error_chain(&e),
-    })?;
+    // A server that closes a kept-alive connection after a streamed answer (llama.cpp does)
+    // can close it just as the next request goes out on it: that request was never read, so
+    // it is sent again once on a fresh connection (the pool drops the closed one).
+    let mut stale_retry = true;
+    let response = loop {
+        let req = hyper::Request::post(uri.clone())
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .header(http::header::ACCEPT, "text/event-stream")
+            .body(Full::new(body.clone()))
+            .map_err(|e| Failure {
+                kind: ErrorKind::Io,
+                message: format!("building the request: {e}"),
+            })?;
+        match client.request(req).await {
+            Ok(r) => break r,
+            Err(e) if stale_retry && closed_before_answer(&e) => stale_retry = false,
+            Err(e) => {
+                return Err(Failure {
+                    kind: if e.is_connect() {
+                        ErrorKind::Connect
+                    } else {
+                        ErrorKind::Io
+                    },
+                    message: error_chain(&e),
+                })
+            }
+        }
+    };
     let status = response.status();
     let mut body = response.into_body();
     if !status.is_success() {
