@@ -39,7 +39,9 @@
 #   CAL_SCALES ("4 6 8 11 14") with random routing and print p50/p99);
 #   DIAG (1: with switchyard, snapshot /admin/fleet every 10 s); OUT (default
 #   /tmp/switchyard-llamacpp-DATE); CACHE (~/.cache/switchyard-bench: the peers' venvs);
-#   SY (a switchyard binary to use instead of building this repository's release build).
+#   SY (a switchyard binary to use instead of building this repository's release build);
+#   SY_ROUTER_CONFIG (a router settings file for every switchyard run, `--router-config`;
+#   a policy that is not `cost` still comes from the router name).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -290,8 +292,10 @@ start_router() { # NAME
         local backends=()
         for e in "${ENGINES[@]}"; do backends+=(--backend "$e,kind=llamacpp,models=$MODEL"); done
         ROUTER_LOG=switchyard
+        local config=()
+        [[ -n ${SY_ROUTER_CONFIG:-} ]] && config=(--router-config "$SY_ROUTER_CONFIG")
         start switchyard "$SY" serve --listen 127.0.0.1:0 --policy "${name#sy-}" \
-            --admin-token "$ADMIN_TOKEN" "${backends[@]}"
+            --admin-token "$ADMIN_TOKEN" "${config[@]}" "${backends[@]}"
         ROUTER_PIDS+=("$LAST_PID")
         ROUTER_URL=$(address switchyard "$LAST_PID")
         ;;
@@ -458,7 +462,7 @@ cat >"$OUT/setup.json" <<EOF
  "nginx": "$([[ -n $NGINX ]] && "$NGINX" -v 2>&1 | sed 's/.*nginx\///')",
  "xllamacpp": "$("$PY" -c 'import importlib.metadata as m; print(m.version("xllamacpp"))')",
  "switchyard": "$(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null || echo unknown)",
- "switchyard_binary": "$SY",
+ "switchyard_binary": "$SY", "switchyard_router_config": "${SY_ROUTER_CONFIG:-}",
  "cpus": $(nproc), "cpu": "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"}
 EOF
 
