@@ -25,7 +25,8 @@
 #
 # Everything binds 127.0.0.1 on free ports; every process started here is stopped on exit,
 # failure or Ctrl-C. Results: $OUT/runs/ROUTER/REP/ (results.json from `switchyard bench`,
-# engine metrics and request counts before/after, router CPU, router and engine logs),
+# engine metrics and request counts before/after, router CPU once ready and at the end,
+# router and engine logs),
 # $OUT/tables.md (bench/llamacpp_report.py).
 #
 # Usage: bash bench/llamacpp.sh
@@ -405,6 +406,9 @@ run_one() {
     start_engines
     start_router "$router"
     snapshot "$dir/before"
+    if ((${#ROUTER_PIDS[@]})); then
+        cpu_seconds "${ROUTER_PIDS[0]}" >"$dir/router-cpu-ready-s"
+    fi
     local urls=()
     if [[ $router == random ]]; then
         for e in "${ENGINES[@]}"; do urls+=(--url "$e"); done

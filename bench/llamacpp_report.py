@@ -9,8 +9,9 @@ the client from each request's send); cache-hit share = sum(usage cached_tokens)
 sum(usage prompt_tokens), the engines' own counts as reported in each response's usage;
 request share per engine = the growth of that engine's finished-request count (the
 `print_timing ... total time` lines in its log, one per finished request) over the sum;
-router CPU = user + system seconds of the router process and its children (/proc, read
-just before it is stopped). Per router: the median over the repetitions, then the range
+router CPU = user + system seconds of the router process and its children (/proc) from
+when it is ready (answered its first request) to just before it is stopped (runs made
+before bench/llamacpp.sh recorded the ready figure: from its start, start-up included). Per router: the median over the repetitions, then the range
 (min-max) in brackets when there were several. Standard library only.
 """
 
@@ -62,6 +63,15 @@ def engine_requests(run_dir):
     return out
 
 
+def router_cpu(run_dir):
+    """Router CPU seconds over the run: at the end less once ready (older runs: at the end)."""
+    end = read_num(os.path.join(run_dir, "router-cpu-s"))
+    ready = read_num(os.path.join(run_dir, "router-cpu-ready-s"))
+    if end is None:
+        return None
+    return end - ready if ready is not None else end
+
+
 def run_figures(run_dir):
     """The figures of one run, or None if it is missing."""
     path = os.path.join(run_dir, "results.json")
@@ -80,7 +90,7 @@ def run_figures(run_dir):
         "share_min": min(reqs) / total if total else None,
         "share_max": max(reqs) / total if total else None,
         "reqs": reqs,
-        "cpu": read_num(os.path.join(run_dir, "router-cpu-s")),
+        "cpu": router_cpu(run_dir),
         "errors": s["failed"],
         "error_kinds": s.get("errors", {}),
         "ok": s["ok"],
@@ -129,7 +139,7 @@ def comparison(out):
         "| cache-hit share | request share min / max | router CPU (s) | errors | runs |",
         "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
-    detail = ["", "Requests per engine, each run (engine 1/2/3/4):", ""]
+    detail = ["", "Requests per engine, each run (engine 1/2/...):", ""]
     for router in routers:
         rdir = os.path.join(runs_dir, router)
         reps = sorted(os.listdir(rdir), key=lambda x: int(x) if x.isdigit() else 99)
