@@ -45,6 +45,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=2, help="slots (concurrent sequences)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for compute")
     ap.add_argument("--seed", type=int, default=42, help="sampling seed")
+    ap.add_argument("--cache-ram", type=int, default=None, metavar="MIB",
+                    help="host-RAM prompt cache in MiB (llama.cpp's --cache-ram; 0: off; "
+                         "default: llama.cpp's own, 8192)")
     args = ap.parse_args(argv)
 
     params = xlc.CommonParams()
@@ -58,6 +61,8 @@ def main(argv=None) -> int:
     params.endpoint_metrics = True
     params.endpoint_slots = True
     params.cache_prompt = True
+    if args.cache_ram is not None:
+        params.cache_ram_mib = args.cache_ram
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
     params.n_threads_http = 4

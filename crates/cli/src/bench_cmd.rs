@@ -115,8 +115,11 @@ writes them). Prints a summary; --out DIR writes results.json and results.md."
 )]
 pub struct BenchArgs {
     /// Base URL of the server (e.g. http://127.0.0.1:8000); required unless --dry-run.
+    /// Repeat it to spread the requests over several servers without a proxy: each request
+    /// goes to one URL drawn uniformly by a random stream seeded from --seed (the model is
+    /// discovered from the first).
     #[arg(long)]
-    url: Option<String>,
+    url: Vec<String>,
     /// Endpoint: chat (/v1/chat/completions) or completions (/v1/completions).
     #[arg(long, value_enum, default_value_t = ApiArg::Chat)]
     api: ApiArg,
@@ -253,7 +256,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the runtime")?;
     let timeout = Duration::from_secs_f64(args.timeout);
-    let model = match (&args.model, &args.url, args.dry_run) {
+    let model = match (&args.model, args.url.first(), args.dry_run) {
         (Some(m), _, _) => Some(m.clone()),
         (None, _, true) => None,
         (None, Some(url), false) => Some(
@@ -292,11 +295,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    let Some(url) = args.url.clone() else {
+    let Some((url, extra_urls)) = args.url.split_first() else {
         bail!("--url is required (or use --dry-run)");
     };
     let options = RunOptions {
-        url,
+        url: url.clone(),
+        extra_urls: extra_urls.to_vec(),
         label: args.label.clone(),
         plan,
         timeout,
@@ -486,5 +490,17 @@ mod tests {
         assert!(a.dry_run && a.quiet);
         assert_eq!(a.label.as_deref(), Some("L"));
         assert_eq!(a.out, Some(PathBuf::from("/tmp/o")));
+        assert_eq!(a.url, vec!["http://127.0.0.1:1".to_string()]);
+        let a = parse(&[
+            "--url",
+            "http://a:1",
+            "--url",
+            "http://b:2",
+            "--shared-prefix",
+        ]);
+        assert_eq!(
+            a.url,
+            vec!["http://a:1".to_string(), "http://b:2".to_string()]
+        );
     }
 }

@@ -143,28 +143,48 @@ pub async fn send(
     }
 }
 
+/// Whether the connection closed before any of the answer came (hyper's incomplete message
+/// on the request itself): the server did not take the request.
+fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<hyper::Error>())
+        .is_some_and(hyper::Error::is_incomplete_message)
+}
+
 async fn exchange(
     client: &HttpClient,
     uri: hyper::Uri,
     body: Bytes,
     sent: Instant,
 ) -> std::result::Result<Success, Failure> {
-    let req = hyper::Request::post(uri)
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .header(http::header::ACCEPT, "text/event-stream")
-        .body(Full::new(body))
-        .map_err(|e| Failure {
-            kind: ErrorKind::Io,
-            message: format!("building the request: {e}"),
-        })?;
-    let response = client.request(req).await.map_err(|e| Failure {
-        kind: if e.is_connect() {
-            ErrorKind::Connect
-        } else {
-            ErrorKind::Io
-        },
-        message: error_chain(&e),
-    })?;
+    // A server that closes a kept-alive connection after a streamed answer (llama.cpp does)
+    // can close it just as the next request goes out on it: that request was never read, so
+    // it is sent again once on a fresh connection (the pool drops the closed one).
+    let mut stale_retry = true;
+    let response = loop {
+        let req = hyper::Request::post(uri.clone())
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .header(http::header::ACCEPT, "text/event-stream")
+            .body(Full::new(body.clone()))
+            .map_err(|e| Failure {
+                kind: ErrorKind::Io,
+                message: format!("building the request: {e}"),
+            })?;
+        match client.request(req).await {
+            Ok(r) => break r,
+            Err(e) if stale_retry && closed_before_answer(&e) => stale_retry = false,
+            Err(e) => {
+                return Err(Failure {
+                    kind: if e.is_connect() {
+                        ErrorKind::Connect
+                    } else {
+                        ErrorKind::Io
+                    },
+                    message: error_chain(&e),
+                })
+            }
+        }
+    };
     let status = response.status();
     let mut body = response.into_body();
     if !status.is_success() {
@@ -267,6 +287,56 @@ mod tests {
         assert!(BaseUrl::parse("https://x:1").is_err());
         assert!(BaseUrl::parse("127.0.0.1:8000").is_err());
         assert!(BaseUrl::parse("http://x:1/?a=b").is_err());
+    }
+
+    /// A server whose first connection reads the request and closes without answering (as
+    /// llama.cpp may when it closes a kept-alive connection after a stream), and whose later
+    /// connections answer a one-chunk stream.
+    async fn closes_first_connection() -> (String, std::sync::Arc<std::sync::atomic::AtomicU32>) {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = std::sync::Arc::new(AtomicU32::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let n = count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 65536];
+                    let _ = s.read(&mut buf).await;
+                    if n == 0 {
+                        return; // dropped: closed before any answer
+                    }
+                    let body =
+                        "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\ndata: [DONE]\n\n";
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = s.write_all(head.as_bytes()).await;
+                    let _ = s.write_all(body.as_bytes()).await;
+                });
+            }
+        });
+        (format!("http://{addr}/v1/chat/completions"), accepted)
+    }
+
+    #[tokio::test]
+    async fn a_request_the_server_closed_unanswered_is_sent_again_once() {
+        let (url, accepted) = closes_first_connection().await;
+        let client = http_client(4, Duration::from_secs(2));
+        let r = send(
+            &client,
+            url.parse().unwrap(),
+            Bytes::from_static(b"{}"),
+            Duration::from_secs(5),
+            Instant::now(),
+        )
+        .await;
+        let ok = r.expect("answered on the second connection");
+        assert_eq!(ok.content_chunks, 1);
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 
     #[test]

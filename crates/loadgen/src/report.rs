@@ -106,8 +106,14 @@ impl Summary {
 pub struct Report {
     /// Name of the run (`--label`, else the URL).
     pub label: String,
-    /// Base URL.
+    /// Base URL (the first one, with several).
     pub url: String,
+    /// With several base URLs: all of them (requests went to one each, drawn at random).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub urls: Vec<String>,
+    /// With several base URLs: requests sent to each, in the order of `urls`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sent_per_url: Vec<u64>,
     /// Endpoint used.
     pub api: Api,
     /// Model asked for (when one name was used for all requests).
@@ -212,6 +218,20 @@ impl Report {
             self.api.path(),
             self.model.as_deref().unwrap_or("(per request)")
         );
+        if !self.urls.is_empty() {
+            let spread: Vec<String> = self
+                .urls
+                .iter()
+                .zip(&self.sent_per_url)
+                .map(|(u, n)| format!("`{u}` {n}"))
+                .collect();
+            let _ = writeln!(
+                out,
+                "- requests spread at random over {} URLs: {}",
+                self.urls.len(),
+                spread.join(", ")
+            );
+        }
         let workload = serde_json::to_string(&self.workload).unwrap_or_default();
         let _ = writeln!(out, "- workload (seed {}): `{workload}`", self.seed);
         let _ = writeln!(
@@ -274,6 +294,8 @@ mod tests {
         Report {
             label: "t".into(),
             url: "http://127.0.0.1:1".into(),
+            urls: Vec::new(),
+            sent_per_url: Vec::new(),
             api: Api::Chat,
             model: Some("m".into()),
             seed: 1,

@@ -6,6 +6,10 @@
 //! requests are in flight, the next send waits for a slot (and every later one
 //! with it), which the report counts (`cap_waits`) along with every send that
 //! went out more than [`crate::stats::LATE_AFTER`] after its time.
+//!
+//! With several base URLs (no proxy in front of them), each request goes to
+//! one of them drawn uniformly by a random stream seeded from the run's seed,
+//! so the same seed sends the same requests to the same URLs.
 
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,6 +18,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use http_body_util::{BodyExt, Full};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use switchyard_workload::WorkloadSpec;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -27,11 +33,17 @@ use crate::stats::Stats;
 /// Lead time before the first send, so it is not late by the set-up.
 const LEAD: Duration = Duration::from_millis(20);
 
+/// Domain tag of the random stream that picks a URL per request.
+const URL_STREAM: u64 = 0x5552_4c5f_7069_636b;
+
 /// How a run is carried out.
 #[derive(Clone, Debug)]
 pub struct RunOptions {
     /// Base URL of the OpenAI-compatible server.
     pub url: String,
+    /// Further base URLs: with any, each request goes to one of `url` and
+    /// these, drawn uniformly with a random stream seeded from the run's seed.
+    pub extra_urls: Vec<String>,
     /// Name of the run in reports (default: the URL).
     pub label: Option<String>,
     /// How the workload becomes requests.
@@ -50,6 +62,7 @@ impl Default for RunOptions {
     fn default() -> Self {
         Self {
             url: String::new(),
+            extra_urls: Vec::new(),
             label: None,
             plan: PlanOptions::default(),
             timeout: Duration::from_secs(600),
@@ -119,8 +132,12 @@ pub async fn run(spec: &WorkloadSpec, seed: u64, options: &RunOptions) -> Result
     if options.timeout.is_zero() {
         return Err(LoadgenError::Invalid("timeout must be > 0".into()));
     }
-    let base = BaseUrl::parse(&options.url)?;
-    let uri = base.uri(options.plan.api.path())?;
+    let uris = std::iter::once(&options.url)
+        .chain(&options.extra_urls)
+        .map(|u| BaseUrl::parse(u)?.uri(options.plan.api.path()))
+        .collect::<Result<Vec<_>>>()?;
+    let mut pick = ChaCha8Rng::seed_from_u64(seed ^ URL_STREAM);
+    let mut sent_per_url = vec![0u64; uris.len()];
     let planned = Plan::count(spec, seed, &options.plan)?;
     let plan = Plan::new(spec, seed, &options.plan)?;
     let client = http_client(options.max_concurrency, options.connect_timeout);
@@ -149,9 +166,15 @@ pub async fn run(spec: &WorkloadSpec, seed: u64, options: &RunOptions) -> Result
         let sent = Instant::now();
         let now_in_flight = in_flight.fetch_add(1, Ordering::Relaxed) + 1;
         lock(&stats).record_send(sent.saturating_duration_since(due), waited, now_in_flight);
+        let target = if uris.len() > 1 {
+            pick.random_range(0..uris.len())
+        } else {
+            0
+        };
+        sent_per_url[target] += 1;
         let (client, uri, stats, in_flight, bar) = (
             client.clone(),
-            uri.clone(),
+            uris[target].clone(),
             stats.clone(),
             in_flight.clone(),
             bar.clone(),
@@ -180,6 +203,19 @@ pub async fn run(spec: &WorkloadSpec, seed: u64, options: &RunOptions) -> Result
     Ok(Report {
         label,
         url: options.url.clone(),
+        urls: if uris.len() > 1 {
+            std::iter::once(&options.url)
+                .chain(&options.extra_urls)
+                .cloned()
+                .collect()
+        } else {
+            Vec::new()
+        },
+        sent_per_url: if uris.len() > 1 {
+            sent_per_url
+        } else {
+            Vec::new()
+        },
         api: options.plan.api,
         model: options.plan.model.clone(),
         seed,
@@ -318,6 +354,43 @@ mod tests {
             "{}",
             s.schedule_s
         );
+    }
+
+    #[tokio::test]
+    async fn several_urls_share_the_requests_by_seed() {
+        let (a, b) = (server().await, server().await);
+        let options = RunOptions {
+            url: a.clone(),
+            extra_urls: vec![b.clone()],
+            plan: PlanOptions {
+                model: Some("served".into()),
+                ..Default::default()
+            },
+            timeout: Duration::from_secs(10),
+            ..Default::default()
+        };
+        let r = run(&spec(40), 7, &options).await.unwrap();
+        assert_eq!((r.summary.ok, r.summary.failed), (40, 0), "{:?}", r.summary);
+        assert_eq!(r.urls, vec![a.clone(), b.clone()]);
+        assert_eq!(r.sent_per_url.iter().sum::<u64>(), 40);
+        // Uniform over two: 40 draws put at least 8 on each (p < 1e-4 otherwise).
+        assert!(
+            r.sent_per_url.iter().all(|&n| n >= 8),
+            "{:?}",
+            r.sent_per_url
+        );
+        // The same seed picks the same URLs.
+        let again = run(&spec(40), 7, &options).await.unwrap();
+        assert_eq!(again.sent_per_url, r.sent_per_url);
+        // One URL: no per-URL figures.
+        let single = RunOptions {
+            extra_urls: Vec::new(),
+            ..options
+        };
+        let one = run(&spec(4), 7, &single).await.unwrap();
+        assert!(one.urls.is_empty() && one.sent_per_url.is_empty());
+        let j = one.to_json().unwrap();
+        assert!(!j.contains("sent_per_url"), "{j}");
     }
 
     #[tokio::test]
