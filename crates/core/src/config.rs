@@ -98,13 +98,12 @@ pub struct EstimateConfig {
     pub service_time_s: f64,
     /// Weight of a new sample in the moving averages (0..1].
     pub learning_rate: f64,
-    /// Prior fixed part of every TTFT (scheduling, one step) in seconds; learned per instance
-    /// with the speed, and the price of a prefill/decode hand-off's extra engine.
+    /// Fixed part of every TTFT (scheduling, one step) in seconds, removed before learning
+    /// speed; also the price of a prefill/decode hand-off's second engine.
     pub ttft_overhead_s: f64,
     /// Engine metrics older than this are unknown, in seconds.
     pub metrics_stale_after_s: f64,
-    /// Work in tokens below which a TTFT sample is not learned from (0: every sample; small
-    /// ones pin the fixed part of the TTFT line).
+    /// Work in tokens below which a TTFT sample says too little about speed to learn from.
     pub min_sample_tokens: u64,
 }
 
@@ -117,7 +116,7 @@ impl Default for EstimateConfig {
             learning_rate: 0.1,
             ttft_overhead_s: 0.01,
             metrics_stale_after_s: 5.0,
-            min_sample_tokens: 0,
+            min_sample_tokens: 512,
         }
     }
 }

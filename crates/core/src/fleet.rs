@@ -4,7 +4,6 @@ use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::prefix::{CacheSurvival, Slot};
-use crate::speed::TtftFit;
 
 /// Stable handle of an instance; a removed instance's handle never matches a later one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -144,10 +143,6 @@ impl RouterLoad {
 pub struct Learned {
     /// Effective prefill throughput in tokens/s (includes queueing and batching effects).
     pub prefill_tokens_per_s: f64,
-    /// Fixed part of a TTFT here (HTTP, scheduling, one step), learned with the speed.
-    pub fixed_ttft_s: f64,
-    /// The (work, TTFT) samples both are fitted from.
-    pub ttft_fit: TtftFit,
     /// Mean request service time (routed to finished) in seconds.
     pub service_time_s: f64,
     /// Share of predicted cached tokens the engine actually reported as cached (0..=1).
@@ -385,8 +380,6 @@ mod tests {
     fn learned() -> Learned {
         Learned {
             prefill_tokens_per_s: 1000.0,
-            fixed_ttft_s: 0.01,
-            ttft_fit: Default::default(),
             service_time_s: 1.0,
             cache_trust: 1.0,
             mean_uncached_tokens: 100.0,

@@ -104,8 +104,6 @@ mod tests {
     fn learned() -> Learned {
         Learned {
             prefill_tokens_per_s: 10_000.0,
-            fixed_ttft_s: 0.01,
-            ttft_fit: Default::default(),
             service_time_s: 10.0,
             cache_trust: 1.0,
             mean_uncached_tokens: 1000.0,

@@ -27,7 +27,6 @@ pub mod policy;
 pub mod prefix;
 pub mod request;
 pub mod router;
-pub mod speed;
 
 pub use config::{ConfigError, RouterConfig};
 pub use decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan};

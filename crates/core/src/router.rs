@@ -80,6 +80,9 @@ pub struct Router {
     slot_scratch: Vec<Slot>,
 }
 
+/// Instances of a model's pool whose learned speeds make its reference speed.
+const POOL_SAMPLE: usize = 64;
+
 /// Moves `current` towards `sample` by `rate`.
 fn ewma(current: f64, sample: f64, rate: f64) -> f64 {
     current + rate * (sample - current)
@@ -163,8 +166,6 @@ impl Router {
         let e = &self.config.estimates;
         Learned {
             prefill_tokens_per_s: spec.prefill_tokens_per_s.unwrap_or(e.prefill_tokens_per_s),
-            fixed_ttft_s: e.ttft_overhead_s,
-            ttft_fit: Default::default(),
             service_time_s: e.service_time_s,
             cache_trust: 1.0,
             mean_uncached_tokens: 1000.0,
@@ -322,6 +323,7 @@ impl Router {
             prompt_tokens,
             bytes_per_token: self.bytes_per_token,
             stage,
+            pool_speed: self.pool_speed(request.model),
         };
         self.policy.score(&ctx, &mut candidates, &mut self.rng);
         if disaggregate {
@@ -382,6 +384,25 @@ impl Router {
             adapter: request.adapter.map(str::to_string),
             max_tokens: request.max_tokens,
         })
+    }
+
+    /// Median learned prefill speed over the model's first [`POOL_SAMPLE`] instances: the same
+    /// set whether the decision scores every instance or a shortlist, and bounded work.
+    fn pool_speed(&self, model: &str) -> f64 {
+        let mut speeds: Vec<f64> = self
+            .fleet
+            .serving(model)
+            .iter()
+            .take(POOL_SAMPLE)
+            .filter_map(|&slot| self.fleet.by_slot(slot))
+            .map(|i| i.learned.prefill_tokens_per_s)
+            .collect();
+        if speeds.is_empty() {
+            return 0.0;
+        }
+        let mid = speeds.len() / 2;
+        let (_, median, _) = speeds.select_nth_unstable_by(mid, f64::total_cmp);
+        *median
     }
 
     fn saturation(&self, instance: &Instance, now: f64) -> Option<Exclusion> {
@@ -677,24 +698,16 @@ impl Router {
         instance.load.pending_tokens -= u64::from(record.uncached_tokens);
         instance.load.running_requests += 1;
         self.pending_inserts[record.instance.slot as usize].remove(&record.pending_key);
-        let elapsed = now - record.routed_at;
-        if record.learns_speed && record.work_tokens >= e.min_sample_tokens && elapsed >= 0.0 {
+        let elapsed = now - record.routed_at - e.ttft_overhead_s;
+        if record.learns_speed && record.work_tokens >= e.min_sample_tokens && elapsed > 0.0 {
             let prior = instance
                 .spec
                 .prefill_tokens_per_s
                 .unwrap_or(e.prefill_tokens_per_s);
+            let sample = (record.work_tokens as f64 / elapsed).clamp(prior / 16.0, prior * 16.0);
             let learned = &mut instance.learned;
-            learned
-                .ttft_fit
-                .add(
-                    record.work_tokens as f64,
-                    elapsed,
-                    e.learning_rate * 0.5,
-                    (prior, e.ttft_overhead_s),
-                );
-            let fitted = learned.ttft_fit.fitted(prior, e.ttft_overhead_s);
-            learned.prefill_tokens_per_s = fitted.tokens_per_s;
-            learned.fixed_ttft_s = fitted.fixed_s;
+            learned.prefill_tokens_per_s =
+                ewma(learned.prefill_tokens_per_s, sample, e.learning_rate);
         }
         let id = record.instance;
         self.relevel(id);

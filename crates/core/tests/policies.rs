@@ -332,7 +332,10 @@ fn feedback_discounts_what_the_engine_did_not_hold() {
     assert!(older_cached < 1200, "{older_cached} of about 2000");
     assert!(predicted(&mut router, &newer).1 >= older_cached);
     let text_cached = predicted(&mut router, &text).1;
-    assert!(text_cached as f64 > 1.5 * older_cached as f64, "{text_cached} vs {older_cached}");
+    assert!(
+        text_cached as f64 > 1.5 * older_cached as f64,
+        "{text_cached} vs {older_cached}"
+    );
     assert!(router.learned(ids[0]).unwrap().cache_trust < 1.0);
 }
 

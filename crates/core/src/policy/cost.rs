@@ -171,25 +171,11 @@ fn price_last_copy_evictions(
     }
 }
 
-/// Speeds learned within this factor of the candidates' median are taken as the median: on
+/// Speeds learned within this factor of the pool's median ([`ScoringContext::pool_speed`]) are taken as the median: on
 /// identical engines, TTFT noise (a loaded host, batching) made learned speeds differ up to 3x,
 /// enough to pull conversations off their caches onto the engine that looked fastest. A real
 /// difference (another accelerator generation) is larger and is kept.
 const SAME_SPEED_FACTOR: f64 = 2.0;
-
-/// The median learned prefill speed of the candidates (0 when there are none).
-pub fn pooled_speed(ctx: &ScoringContext<'_>, candidates: &[Candidate]) -> f64 {
-    let mut speeds: Vec<f64> = candidates
-        .iter()
-        .map(|c| ctx.instance(c).learned.prefill_tokens_per_s)
-        .collect();
-    if speeds.is_empty() {
-        return 0.0;
-    }
-    let mid = speeds.len() / 2;
-    let (_, median, _) = speeds.select_nth_unstable_by(mid, f64::total_cmp);
-    *median
-}
 
 /// The speed an instance is priced at: its own when it differs from the pool's beyond noise.
 fn priced_speed(own: f64, pool: f64) -> f64 {
@@ -200,16 +186,14 @@ fn priced_speed(own: f64, pool: f64) -> f64 {
     }
 }
 
-/// The prefill-side estimate for one candidate (unified or prefill stage); `pool_speed` is
-/// [`pooled_speed`] over the candidates (0: the instance's own speed).
+/// The prefill-side estimate for one candidate (unified or prefill stage).
 pub fn prefill_terms(
     ctx: &ScoringContext<'_>,
     instance: &Instance,
     mut terms: CostTerms,
-    pool_speed: f64,
 ) -> CostTerms {
     let cost = &ctx.config.cost;
-    let speed = priced_speed(instance.learned.prefill_tokens_per_s, pool_speed);
+    let speed = priced_speed(instance.learned.prefill_tokens_per_s, ctx.pool_speed);
     // The index's match is already weighted by how likely the instance still holds it.
     let cached = f64::from(terms.cached_tokens);
     let uncached = f64::from(ctx.prompt_tokens) - cached;
@@ -340,9 +324,8 @@ impl Policy for CostPolicy {
         rng: &mut SmallRng,
     ) {
         debug_assert!(ctx.stage != Stage::Decode);
-        let pool = pooled_speed(ctx, candidates);
         for c in candidates.iter_mut() {
-            c.terms = prefill_terms(ctx, ctx.instance(c), c.terms, pool);
+            c.terms = prefill_terms(ctx, ctx.instance(c), c.terms);
             c.score = total(&c.terms);
         }
         guard_adapter_swaps(ctx, candidates);

@@ -121,8 +121,6 @@ mod tests {
         };
         let learned = Learned {
             prefill_tokens_per_s: 1000.0,
-            fixed_ttft_s: 0.01,
-            ttft_fit: Default::default(),
             service_time_s: 1.0,
             cache_trust: 1.0,
             mean_uncached_tokens: 100.0,

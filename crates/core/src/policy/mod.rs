@@ -21,7 +21,7 @@ mod kubeai;
 mod routed_prefixes;
 mod sglang;
 
-pub use cost::{decode_terms, pooled_speed, prefill_terms};
+pub use cost::{decode_terms, prefill_terms};
 
 /// Names accepted by [`by_name`], the default first.
 pub const POLICY_NAMES: &[&str] = &[
@@ -64,6 +64,9 @@ pub struct ScoringContext<'a> {
     pub bytes_per_token: f64,
     /// Which half is being placed.
     pub stage: Stage,
+    /// Median learned prefill speed of the model's pool (its first instances; 0: unknown), the
+    /// reference that tells noise from a real difference between instances.
+    pub pool_speed: f64,
 }
 
 impl ScoringContext<'_> {

@@ -136,13 +136,13 @@ impl<'o> ChainHasher<'o> {
     fn advance_taper(&mut self) {
         if let Some(done) = self.taper {
             let done = done + 1;
-            if done >= LEADING_SPLITS + 1 {
+            if done > LEADING_SPLITS {
                 self.taper = None;
                 self.block_bytes = self.full_block;
             } else {
                 self.taper = Some(done);
-                self.block_bytes = tapered_end(done + 1, self.full_block)
-                    - tapered_end(done, self.full_block);
+                self.block_bytes =
+                    tapered_end(done + 1, self.full_block) - tapered_end(done, self.full_block);
             }
         }
     }
@@ -202,7 +202,10 @@ mod tests {
         );
         for bytes in 0..1000 {
             let d = tapered_depth(bytes, 256);
-            assert!(tapered_end(d, 256) <= bytes && tapered_end(d + 1, 256) > bytes, "{bytes}");
+            assert!(
+                tapered_end(d, 256) <= bytes && tapered_end(d + 1, 256) > bytes,
+                "{bytes}"
+            );
         }
         let text = "x".repeat(700);
         let mut out = Vec::new();
