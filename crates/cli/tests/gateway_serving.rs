@@ -518,3 +518,24 @@ async fn a_non_streamed_answer_teaches_no_prefill_speed() {
         .expect("learned speed");
     assert_eq!(speed, 20_000.0, "learned from a whole generation: {fleet}");
 }
+
+#[tokio::test]
+async fn the_router_reports_its_predictions_against_outcomes() {
+    let e = engine(&[]);
+    let gw = gateway(&["--backend", &backend(&e)]);
+    let c = client();
+    let text = prompt("predict", 1500);
+    for _ in 0..3 {
+        let body = json!({"model": MODEL, "prompt": text, "max_tokens": 2, "stream": true});
+        let r = post(&c, &gw.url("/v1/completions"), &body).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+    let counts = poll(Duration::from_secs(10), || async {
+        let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+        let ttft = metric_sum(&m, "switchyard_ttft_prediction_ratio_count", &[]);
+        let cached = metric_sum(&m, "switchyard_cached_prediction_error_count", &[]);
+        (ttft >= 3.0 && cached >= 3.0).then_some((ttft, cached))
+    })
+    .await;
+    assert_eq!(counts, Some((3.0, 3.0)));
+}

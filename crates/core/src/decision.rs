@@ -151,6 +151,9 @@ impl Decision {
             max_tokens: self.max_tokens,
             is_decode_only: self.decode.iter().any(|c| c.instance == instance)
                 && !self.candidates.iter().any(|c| c.instance == instance),
+            // Only a policy that prices prefill in seconds (`cost`) makes a TTFT estimate.
+            estimated_ttft_s: (terms.prefill_s > 0.0)
+                .then_some(terms.wait_s + terms.prefill_s + terms.adapter_s + terms.transfer_s),
         }
     }
 
@@ -209,4 +212,7 @@ pub struct RoutePlan {
     pub max_tokens: u32,
     /// Sent as the decode half of a disaggregated request (no prefill work there).
     pub is_decode_only: bool,
+    /// Seconds to the first token the decision expected there (wait + prefill + adapter +
+    /// transfer), when the policy makes such an estimate.
+    pub estimated_ttft_s: Option<f64>,
 }

@@ -31,6 +31,6 @@ pub mod router;
 pub use config::{ConfigError, RouterConfig};
 pub use decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan};
 pub use fleet::{EngineMetrics, Health, Instance, InstanceId, InstanceSpec, Role};
-pub use observe::{KvEvent, Observation, ObserveError, Usage};
+pub use observe::{KvEvent, Observation, ObserveError, Prediction, Usage};
 pub use request::{ChatMessage, Phase, Prompt, RequestId, RouteRequest};
 pub use router::{RouteError, Router};

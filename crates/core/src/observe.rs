@@ -96,3 +96,44 @@ pub enum ObserveError {
     #[error("request {0:?} is already in flight")]
     DuplicateRequest(RequestId),
 }
+
+/// What the router predicted for a request against what happened: how a user tells whether to
+/// trust it (drained with [`crate::Router::take_predictions`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Prediction {
+    /// Estimated against observed time to first token, seconds (the fixed part of a TTFT is in
+    /// neither: `ttft_overhead_s` is added to the estimate).
+    Ttft {
+        /// What the decision expected.
+        estimated_s: f64,
+        /// What was observed.
+        observed_s: f64,
+    },
+    /// Predicted against engine-reported cached prompt tokens.
+    Cached {
+        /// What the index expected.
+        predicted: u32,
+        /// What the engine reported.
+        reported: u32,
+        /// Prompt tokens the engine reported.
+        prompt: u32,
+    },
+}
+
+impl Prediction {
+    /// Relative error: |estimated − observed| ÷ observed for TTFT, |predicted − reported| ÷
+    /// prompt tokens for cached tokens (so a prompt with nothing cached still counts).
+    pub fn relative_error(&self) -> f64 {
+        match *self {
+            Prediction::Ttft {
+                estimated_s,
+                observed_s,
+            } => (estimated_s - observed_s).abs() / observed_s.max(1e-6),
+            Prediction::Cached {
+                predicted,
+                reported,
+                prompt,
+            } => (f64::from(predicted) - f64::from(reported)).abs() / f64::from(prompt.max(1)),
+        }
+    }
+}

@@ -12,7 +12,7 @@ use crate::decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan};
 use crate::exact::ExactIndex;
 use crate::fleet::{Fleet, Health, Instance, InstanceId, InstanceSpec, Learned, Role};
 use crate::ladder::LoadLadder;
-use crate::observe::{Observation, ObserveError, Usage};
+use crate::observe::{Observation, ObserveError, Prediction, Usage};
 use crate::policy::{self, Policy, ScoringContext, Stage, TieBreak};
 use crate::prefix::{
     chain_seed, tapered_depth, tapered_end, tapered_prompt_block_hashes, BlockMatch, PrefixIndex,
@@ -46,6 +46,8 @@ struct InFlight {
     predicted_cached_tokens: u32,
     /// Touch sequence of each matched block when the request was routed.
     matched_seqs: Vec<u64>,
+    /// The decision's TTFT estimate, if the policy made one.
+    estimated_ttft_s: Option<f64>,
     /// The instance's touch sequence when the request was routed (ages are counted from it).
     route_seq: u64,
     /// Oldest insert still awaiting its first token on the instance when this one was routed.
@@ -78,7 +80,13 @@ pub struct Router {
     ladder: LoadLadder,
     /// Reused list of the slots a request is scored on.
     slot_scratch: Vec<Slot>,
+    /// Predictions against outcomes since the driver last took them (at most
+    /// [`MAX_PREDICTIONS`]: a driver that never takes them loses the newest, not memory).
+    predictions: Vec<Prediction>,
 }
+
+/// Most predictions kept between two [`Router::take_predictions`].
+pub const MAX_PREDICTIONS: usize = 4096;
 
 /// Instances of a model's pool whose learned speeds make its reference speed.
 const POOL_SAMPLE: usize = 64;
@@ -115,6 +123,7 @@ impl Router {
             depth_by_slot: Vec::new(),
             ladder: LoadLadder::default(),
             slot_scratch: Vec::new(),
+            predictions: Vec::new(),
         })
     }
 
@@ -141,6 +150,17 @@ impl Router {
     /// Learned bytes of prompt text per token.
     pub fn bytes_per_token(&self) -> f64 {
         self.bytes_per_token
+    }
+
+    /// Moves the predictions recorded since the last call into `out` (appended).
+    pub fn take_predictions(&mut self, out: &mut Vec<Prediction>) {
+        out.append(&mut self.predictions);
+    }
+
+    fn record_prediction(&mut self, p: Prediction) {
+        if self.predictions.len() < MAX_PREDICTIONS {
+            self.predictions.push(p);
+        }
     }
 
     /// Requests the router believes are in flight.
@@ -671,6 +691,7 @@ impl Router {
                 matched_blocks: plan.matched_blocks,
                 predicted_cached_tokens: plan.predicted_cached_tokens,
                 matched_seqs,
+                estimated_ttft_s: plan.estimated_ttft_s,
                 route_seq,
                 pending_floor,
                 pending_key,
@@ -690,6 +711,19 @@ impl Router {
             return Ok(());
         }
         record.first_token_at = Some(now);
+        let estimate = record
+            .estimated_ttft_s
+            .map(|s| s + self.config.estimates.ttft_overhead_s);
+        let observed_s = now - record.routed_at;
+        if let Some(estimated_s) = estimate {
+            self.record_prediction(Prediction::Ttft {
+                estimated_s,
+                observed_s,
+            });
+        }
+        let Some(record) = self.in_flight.get_mut(&request) else {
+            return Ok(());
+        };
         let e = &self.config.estimates;
         let Some(instance) = self.fleet.get_mut(record.instance) else {
             return Ok(());
@@ -763,6 +797,13 @@ impl Router {
                 (self.prompt_bytes_seen / self.prompt_tokens_seen).clamp(0.5, 64.0);
         }
         if let Some(cached) = usage.cached_tokens {
+            if record.uncached_tokens > 0 || record.predicted_cached_tokens > 0 {
+                self.record_prediction(Prediction::Cached {
+                    predicted: record.predicted_cached_tokens,
+                    reported: cached,
+                    prompt: usage.prompt_tokens,
+                });
+            }
             if let Some(instance) = self.fleet.get_mut(record.instance) {
                 let share = f64::from(cached.min(usage.prompt_tokens))
                     / f64::from(usage.prompt_tokens.max(1));

@@ -5,7 +5,8 @@
 use proptest::prelude::*;
 use switchyard_core::prefix::{chain_seed, tapered_end, tapered_prompt_block_hashes};
 use switchyard_core::{
-    InstanceSpec, Observation, Prompt, RequestId, RouteRequest, Router, RouterConfig, Usage,
+    InstanceSpec, Observation, Prediction, Prompt, RequestId, RouteRequest, Router, RouterConfig,
+    Usage,
 };
 
 const BLOCK_BYTES: usize = 256;
@@ -181,4 +182,69 @@ fn learned_survival_predicts_an_lru_engine() {
         learned < 0.6 * blind,
         "learned {learned:.0} vs blind {blind:.0} tokens"
     );
+}
+
+#[test]
+fn every_request_leaves_its_prediction_against_the_outcome() {
+    let mut router = Router::new(RouterConfig::default()).unwrap();
+    let id = router.add_instance(InstanceSpec::new("a", "m")).unwrap();
+    let text = prompt(1, 1, 4, 2);
+    for n in 0..2u64 {
+        let decision = router
+            .route(&RouteRequest::text("m", &text), n as f64)
+            .unwrap();
+        let plan = decision.plan_for(id);
+        assert!(plan.estimated_ttft_s.is_some_and(|s| s > 0.0));
+        let request = RequestId(n);
+        router
+            .observe(
+                Observation::Routed {
+                    request,
+                    instance: id,
+                    plan,
+                },
+                n as f64,
+            )
+            .unwrap();
+        router
+            .observe(Observation::FirstToken(request), n as f64 + 0.25)
+            .unwrap();
+        let usage = Usage {
+            prompt_tokens: tokens(10),
+            cached_tokens: Some(if n == 0 { 0 } else { tokens(9) }),
+            completion_tokens: 1,
+        };
+        router
+            .observe(Observation::Finished(request, Some(usage)), n as f64 + 0.5)
+            .unwrap();
+    }
+    let mut out = Vec::new();
+    router.take_predictions(&mut out);
+    let ttfts: Vec<_> = out
+        .iter()
+        .filter_map(|p| match p {
+            Prediction::Ttft { observed_s, .. } => Some(*observed_s),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ttfts.len(), 2);
+    assert!(ttfts.iter().all(|&s| (s - 0.25).abs() < 1e-9));
+    let cached: Vec<_> = out
+        .iter()
+        .filter_map(|p| match p {
+            Prediction::Cached {
+                predicted,
+                reported,
+                ..
+            } => Some((*predicted, *reported)),
+            _ => None,
+        })
+        .collect();
+    // The second request was predicted (close to) fully cached and was.
+    assert_eq!(cached.len(), 2);
+    assert_eq!(cached[0], (0, 0));
+    assert!(cached[1].0 > 0 && cached[1].1 == tokens(9), "{cached:?}");
+    assert!(out.iter().all(|p| p.relative_error().is_finite()));
+    router.take_predictions(&mut out);
+    assert_eq!(out.len(), 4, "taken predictions are not repeated");
 }

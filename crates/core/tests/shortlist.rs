@@ -42,6 +42,7 @@ fn queue(router: &mut Router, id: u64, instance: InstanceId, tokens: u32) {
         adapter: None,
         max_tokens: 16,
         is_decode_only: false,
+        estimated_ttft_s: None,
     };
     router
         .observe(

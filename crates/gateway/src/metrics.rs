@@ -96,6 +96,10 @@ pub struct Metrics {
     pub retries: Counter,
     /// Time spent in `Router::route`.
     pub decision_seconds: Histogram,
+    /// Observed ÷ estimated TTFT of each routed request (`cost` only): 1 is a perfect estimate.
+    pub ttft_prediction_ratio: Histogram,
+    /// |predicted − reported| cached tokens ÷ prompt tokens of each finished request.
+    pub cached_prediction_error: Histogram,
     ttft: HistogramFamily<BackendLabel>,
     e2e: HistogramFamily<BackendLabel>,
     predicted_cached: Family<BackendLabel, Counter>,
@@ -214,6 +218,21 @@ impl Metrics {
             "Time to route one request (Router::route)",
             decision_seconds.clone(),
         );
+        // 1/16 .. 16 in steps of sqrt(2): a ratio's median and p90 to within about 20 %.
+        let ttft_prediction_ratio =
+            Histogram::new(exponential_buckets(1.0 / 16.0, 2f64.sqrt(), 17));
+        registry.register(
+            "switchyard_ttft_prediction_ratio",
+            "Observed over estimated time to first token of each routed request",
+            ttft_prediction_ratio.clone(),
+        );
+        let cached_prediction_error =
+            Histogram::new([0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0]);
+        registry.register(
+            "switchyard_cached_prediction_error",
+            "Predicted minus reported cached tokens, absolute, over prompt tokens, per request",
+            cached_prediction_error.clone(),
+        );
         let ttft: HistogramFamily<BackendLabel> = Family::new_with_constructor(latency_histogram);
         registry.register(
             "switchyard_ttft_seconds",
@@ -302,6 +321,8 @@ impl Metrics {
             attempts,
             retries,
             decision_seconds,
+            ttft_prediction_ratio,
+            cached_prediction_error,
             ttft,
             e2e,
             predicted_cached,

@@ -127,6 +127,7 @@ impl Routed {
                 adapter: None,
                 max_tokens: 0,
                 is_decode_only: false,
+                estimated_ttft_s: None,
             },
         }
     }

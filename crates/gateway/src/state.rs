@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use http::HeaderValue;
 use parking_lot::Mutex;
-use switchyard_core::{Decision, InstanceId, Observation, RequestId, Router};
+use switchyard_core::{Decision, InstanceId, Observation, Prediction, RequestId, Router};
 
 use crate::admission::Admission;
 use crate::backends::{Backend, BackendSpec};
@@ -333,10 +333,32 @@ impl Gateway {
         HeaderValue::from_bytes(&buf[..12 + digits]).unwrap_or(HeaderValue::from_static("sy"))
     }
 
-    /// Applies one observation under the lock.
+    /// Applies one observation under the lock; the router's predictions against outcomes go
+    /// to the metrics outside it.
     pub fn observe(&self, observation: Observation) {
         let now = self.now();
-        self.brain.lock().observe(observation, now);
+        let mut predictions = Vec::new();
+        {
+            let mut brain = self.brain.lock();
+            brain.observe(observation, now);
+            brain.router.take_predictions(&mut predictions);
+        }
+        for p in predictions {
+            match p {
+                Prediction::Ttft {
+                    estimated_s,
+                    observed_s,
+                } if estimated_s > 0.0 => self
+                    .metrics
+                    .ttft_prediction_ratio
+                    .observe(observed_s / estimated_s),
+                Prediction::Ttft { .. } => {}
+                Prediction::Cached { .. } => self
+                    .metrics
+                    .cached_prediction_error
+                    .observe(p.relative_error()),
+            }
+        }
     }
 
     /// Tells the router the health a backend should have, if it changed.

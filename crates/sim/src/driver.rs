@@ -10,8 +10,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 use switchyard_core::{
-    EngineMetrics as CoreMetrics, InstanceId, Observation, ObserveError, Phase, RequestId,
-    RouteRequest, Router, RouterConfig, Usage,
+    EngineMetrics as CoreMetrics, InstanceId, Observation, ObserveError, Phase, Prediction,
+    RequestId, RouteRequest, Router, RouterConfig, Usage,
 };
 use switchyard_engine::{
     Engine, EngineEvent, EngineMetrics, EngineRequest, KvTransfer, RequestMode,
@@ -51,6 +51,10 @@ pub struct RunData {
     pub unknown_observations: u64,
     /// Prefill speed (tokens/s) the first replica learned per instance by the end.
     pub learned_prefill_tokens_per_s: Vec<f64>,
+    /// Relative errors of the routers' TTFT estimates, one per routed request that had one.
+    pub ttft_errors: Vec<f64>,
+    /// Relative errors of the routers' cached-token predictions, one per finished request.
+    pub cached_errors: Vec<f64>,
 }
 
 /// Router-side id of a request's unified or prefill half.
@@ -90,6 +94,9 @@ struct Sim {
     known_adapters: Vec<Vec<String>>,
     queues: QueueTrace,
     unknown: u64,
+    prediction_scratch: Vec<Prediction>,
+    ttft_errors: Vec<f64>,
+    cached_errors: Vec<f64>,
 }
 
 /// Converts an engine snapshot into what a scrape of vLLM's `/metrics` gives the router.
@@ -165,13 +172,25 @@ impl Sim {
                 running: vec![Vec::new(); charted],
             },
             unknown: 0,
+            prediction_scratch: Vec::new(),
+            ttft_errors: Vec::new(),
+            cached_errors: Vec::new(),
         })
     }
 
     /// Applies an observation to one replica; an unknown request (expired in the router as
     /// stale) is counted, anything else is a simulator bug and stops the run.
     fn observe(&mut self, replica: u16, observation: Observation, now: f64) -> Result<()> {
-        match self.routers[replica as usize].observe(observation, now) {
+        let router = &mut self.routers[replica as usize];
+        let applied = router.observe(observation, now);
+        router.take_predictions(&mut self.prediction_scratch);
+        for p in self.prediction_scratch.drain(..) {
+            match p {
+                Prediction::Ttft { .. } => self.ttft_errors.push(p.relative_error()),
+                Prediction::Cached { .. } => self.cached_errors.push(p.relative_error()),
+            }
+        }
+        match applied {
             Ok(()) => Ok(()),
             Err(ObserveError::UnknownRequest(_)) => {
                 self.unknown += 1;
@@ -573,5 +592,7 @@ pub fn simulate(
         instances: sim.stats,
         queues: sim.queues,
         unknown_observations: sim.unknown,
+        ttft_errors: sim.ttft_errors,
+        cached_errors: sim.cached_errors,
     })
 }

@@ -151,8 +151,13 @@ pub fn run(
         if *policy != queue_policy {
             config.queue_chart_instances = 0;
         }
-        let data = simulate(&config, policy, &model, workload.build(config.seed)?)?;
-        let (summary, ttfts) = summarize(policy, &data.records, &data.instances, config.ttft_slo_s);
+        let mut data = simulate(&config, policy, &model, workload.build(config.seed)?)?;
+        let (mut summary, ttfts) =
+            summarize(policy, &data.records, &data.instances, config.ttft_slo_s);
+        (summary.ttft_error_p50, summary.ttft_error_p90) =
+            metrics::error_quantiles(&mut data.ttft_errors);
+        (summary.cached_error_p50, summary.cached_error_p90) =
+            metrics::error_quantiles(&mut data.cached_errors);
         out.results.policies.push(summary);
         out.ttfts.push((policy.clone(), ttfts));
         if *policy == queue_policy {

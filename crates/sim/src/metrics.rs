@@ -145,6 +145,25 @@ pub struct PolicySummary {
     pub adapter_loads_per_1k: f64,
     /// Preemptions across the fleet.
     pub preemptions: u64,
+    /// Median relative error of the router's TTFT estimate for the instance it chose
+    /// (|estimated − observed| ÷ observed; none when the policy makes no estimate).
+    pub ttft_error_p50: Option<f64>,
+    /// 90th percentile of that error.
+    pub ttft_error_p90: Option<f64>,
+    /// Median |predicted − reported| cached tokens ÷ prompt tokens.
+    pub cached_error_p50: Option<f64>,
+    /// 90th percentile of that error.
+    pub cached_error_p90: Option<f64>,
+}
+
+/// Median and 90th percentile of relative errors (none when there are none).
+pub fn error_quantiles(errors: &mut [f64]) -> (Option<f64>, Option<f64>) {
+    if errors.is_empty() {
+        return (None, None);
+    }
+    errors.sort_unstable_by(f64::total_cmp);
+    let at = |q: f64| errors[((errors.len() - 1) as f64 * q).round() as usize];
+    (Some(at(0.5)), Some(at(0.9)))
 }
 
 /// Aggregates one policy's run; also returns the sorted TTFTs (for the CDF chart).
@@ -223,6 +242,7 @@ pub fn summarize(
             0.0
         },
         preemptions: instances.iter().map(|i| i.preemptions).sum(),
+        ..PolicySummary::default()
     };
     (summary, ttft)
 }

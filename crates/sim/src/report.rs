@@ -34,7 +34,7 @@ pub struct SimResults {
     pub lower_bound: Option<LowerBound>,
 }
 
-const HEADER: [&str; 20] = [
+const HEADER: [&str; 24] = [
     "policy",
     "ttft_mean",
     "ttft_p50",
@@ -55,6 +55,10 @@ const HEADER: [&str; 20] = [
     "preempt",
     "rejected",
     "finished",
+    "ttft_err_p50",
+    "ttft_err_p90",
+    "cached_err_p50",
+    "cached_err_p90",
 ];
 
 fn secs(x: f64) -> String {
@@ -91,7 +95,16 @@ fn row(s: &PolicySummary) -> Vec<String> {
         s.preemptions.to_string(),
         s.rejected.to_string(),
         s.finished.to_string(),
+        err(s.ttft_error_p50),
+        err(s.ttft_error_p90),
+        err(s.cached_error_p50),
+        err(s.cached_error_p90),
     ]
+}
+
+/// A relative prediction error as a percentage, `-` when the policy makes no prediction.
+fn err(x: Option<f64>) -> String {
+    x.map_or_else(|| "-".into(), |x| format!("{:.0}%", x * 100.0))
 }
 
 fn lower_bound_row(lb: &LowerBound) -> Vec<String> {

@@ -529,8 +529,13 @@ impl Prepared {
 
     fn run(&self, policy: &str, rate: f64, seed: u64) -> Result<PolicySummary> {
         let config = self.config(seed);
-        let data = simulate(&config, policy, DEFAULT_MODEL, self.stream(rate, seed)?)?;
-        Ok(summarize(policy, &data.records, &data.instances, config.ttft_slo_s).0)
+        let mut data = simulate(&config, policy, DEFAULT_MODEL, self.stream(rate, seed)?)?;
+        let mut summary = summarize(policy, &data.records, &data.instances, config.ttft_slo_s).0;
+        (summary.ttft_error_p50, summary.ttft_error_p90) =
+            crate::metrics::error_quantiles(&mut data.ttft_errors);
+        (summary.cached_error_p50, summary.cached_error_p90) =
+            crate::metrics::error_quantiles(&mut data.cached_errors);
+        Ok(summary)
     }
 }
 
@@ -1040,15 +1045,20 @@ impl SuiteResults {
     pub fn runs_markdown(&self) -> String {
         let mut out = String::from(
             "| workload | load | req/s | seed | policy | ttft_mean | ttft_p50 | ttft_p99 | \
-             itl_p99 | req/s done | cached | preempt | rejected |\n\
-             |---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+             itl_p99 | req/s done | cached | preempt | rejected | ttft_err p50/p90 | \
+             cached_err p50/p90 |\n\
+             |---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         );
+        let err = |p50: Option<f64>, p90: Option<f64>| match (p50, p90) {
+            (Some(a), Some(b)) => format!("{:.0}% / {:.0}%", a * 100.0, b * 100.0),
+            _ => "-".to_string(),
+        };
         for r in &self.runs {
             let s = &r.summary;
             let _ = writeln!(
                 out,
                 "| {} | {} | {:.2} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.2} | {:.1}% \
-                 | {} | {} |",
+                 | {} | {} | {} | {} |",
                 r.workload,
                 r.load,
                 r.rate,
@@ -1061,7 +1071,9 @@ impl SuiteResults {
                 s.throughput_rps,
                 s.cache_share * 100.0,
                 s.preemptions,
-                s.rejected
+                s.rejected,
+                err(s.ttft_error_p50, s.ttft_error_p90),
+                err(s.cached_error_p50, s.cached_error_p90)
             );
         }
         out
