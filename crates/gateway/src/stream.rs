@@ -311,11 +311,14 @@ struct Track {
 impl Track {
     /// One data frame; `last`: the body ends with it.
     fn on_data(&mut self, data: Bytes, last: bool) -> Bytes {
-        // A JSON answer's first byte comes after the whole generation: it is no first token, and
-        // taking it for one would teach the router prefill speeds from whole generations.
-        if !self.first_seen && matches!(self.scan, Scan::Sse(_)) {
+        if !self.first_seen {
             self.first_seen = true;
-            self.guard.first_token();
+            // A JSON answer's first byte comes after the whole generation: it is no first
+            // token, and taking it for one would teach the router prefill speeds from whole
+            // generations. The histogram is time to first byte either way.
+            if matches!(self.scan, Scan::Sse(_)) {
+                self.guard.first_token();
+            }
             self.guard
                 .backend
                 .metrics
