@@ -72,6 +72,40 @@ def router_cpu(run_dir):
     return end - ready if ready is not None else end
 
 
+def hist_quantile(prom_text, name, q):
+    """The q-quantile of a Prometheus histogram from its cumulative buckets (the upper bound of
+    the bucket it falls in), or None when the histogram is absent or empty."""
+    buckets = []
+    for line in prom_text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            buckets.append((bound, float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    buckets.sort()
+    total = buckets[-1][1]
+    for bound, count in buckets:
+        if count >= q * total:
+            return bound
+    return None
+
+
+def prediction_figures(run_dir):
+    """Switchyard's own prediction error (the router's /metrics at the end of the run)."""
+    path = os.path.join(run_dir, "router.prom")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        text = f.read()
+    out = {}
+    for key, name in (("ratio", "switchyard_ttft_prediction_ratio"),
+                      ("cached_err", "switchyard_cached_prediction_error")):
+        for q in (0.5, 0.9):
+            out[f"{key}_p{int(q * 100)}"] = hist_quantile(text, name, q)
+    return out
+
+
 def run_figures(run_dir):
     """The figures of one run, or None if it is missing."""
     path = os.path.join(run_dir, "results.json")
@@ -97,6 +131,7 @@ def run_figures(run_dir):
         "planned": s["planned"],
         "rps": s["requests_per_s"],
         "late": s.get("late_sends", 0),
+        **prediction_figures(run_dir),
     }
 
 
@@ -162,7 +197,25 @@ def comparison(out):
         detail.append(f"- {router_name(router)}: "
                       + "; ".join("/".join(str(n) for n in r["reqs"]) + f" (ok {r['ok']}/"
                                   f"{r['planned']}, late sends {r['late']})" for r in runs))
-    return lines + detail
+    pred = ["", "Switchyard's predictions against outcomes (from its /metrics; bucket upper "
+            "bounds, median over runs): observed ÷ estimated TTFT at p50 / p90, and "
+            "|predicted − reported| cached tokens ÷ prompt tokens at p50 / p90:", ""]
+    shown = False
+    for router in routers:
+        rdir = os.path.join(runs_dir, router)
+        runs = [f for f in (run_figures(os.path.join(rdir, rep)) for rep in sorted(os.listdir(rdir)))
+                if f]
+        vals = {k: [r[k] for r in runs if r.get(k) is not None]
+                for k in ("ratio_p50", "ratio_p90", "cached_err_p50", "cached_err_p90")}
+        if not any(vals.values()):
+            continue
+        shown = True
+        med = {k: (sorted(v)[len(v) // 2] if v else None) for k, v in vals.items()}
+        f = lambda x: "-" if x is None else f"{x:.2f}"
+        pred.append(f"- {router_name(router)}: TTFT ratio {f(med['ratio_p50'])} / "
+                    f"{f(med['ratio_p90'])}; cached error {f(med['cached_err_p50'])} / "
+                    f"{f(med['cached_err_p90'])}")
+    return lines + detail + (pred if shown else [])
 
 
 def calibration(out):
