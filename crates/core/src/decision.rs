@@ -97,6 +97,9 @@ pub struct Decision {
     /// Output budget.
     #[serde(skip)]
     pub(crate) max_tokens: u32,
+    /// Hash of the request's session key (model-scoped), if it had one.
+    #[serde(skip)]
+    pub(crate) session: Option<u64>,
 }
 
 impl Decision {
@@ -152,6 +155,7 @@ impl Decision {
             is_decode_only: self.decode.iter().any(|c| c.instance == instance)
                 && !self.candidates.iter().any(|c| c.instance == instance),
             // Only a policy that prices prefill in seconds (`cost`) makes a TTFT estimate.
+            session: self.session,
             estimated_ttft_s: (terms.prefill_s > 0.0)
                 .then_some(terms.wait_s + terms.prefill_s + terms.adapter_s + terms.transfer_s),
         }
@@ -215,4 +219,7 @@ pub struct RoutePlan {
     /// Seconds to the first token the decision expected there (wait + prefill + adapter +
     /// transfer), when the policy makes such an estimate.
     pub estimated_ttft_s: Option<f64>,
+    /// Hash of the request's session key, if any: the routed instance becomes the session's
+    /// last instance.
+    pub session: Option<u64>,
 }

@@ -80,9 +80,23 @@ pub struct Router {
     ladder: LoadLadder,
     /// Reused list of the slots a request is scored on.
     slot_scratch: Vec<Slot>,
+    /// Per session (hash of model and `session_id`), where its last request went.
+    sessions: FxHashMap<u64, SessionMark>,
     /// Predictions against outcomes since the driver last took them (at most
     /// [`MAX_PREDICTIONS`]: a driver that never takes them loses the newest, not memory).
     predictions: Vec<Prediction>,
+}
+
+/// Most sessions remembered; past it the memory starts over (sessions are a soft signal).
+pub const MAX_SESSIONS: usize = 65_536;
+
+/// A session's last request: where it went, the instance's touch sequence after it, and its
+/// rendered prompt length.
+#[derive(Debug, Clone, Copy)]
+struct SessionMark {
+    instance: InstanceId,
+    seq: u64,
+    bytes: usize,
 }
 
 /// Most predictions kept between two [`Router::take_predictions`].
@@ -124,6 +138,7 @@ impl Router {
             ladder: LoadLadder::default(),
             slot_scratch: Vec::new(),
             predictions: Vec::new(),
+            sessions: FxHashMap::default(),
         })
     }
 
@@ -312,10 +327,19 @@ impl Router {
             Vec::new()
         };
 
+        let session = request
+            .session_id
+            .map(|id| chain_seed(request.model, None, Some(id)));
+        let mark = session.and_then(|h| self.sessions.get(&h).copied());
         if uses_index {
-            self.apply_matches(&mut candidates, prompt_tokens, request.token_ids);
-            self.apply_matches(&mut decode_candidates, prompt_tokens, request.token_ids);
-            self.apply_matches(&mut local, prompt_tokens, request.token_ids);
+            self.apply_matches(&mut candidates, prompt_tokens, request.token_ids, mark);
+            self.apply_matches(
+                &mut decode_candidates,
+                prompt_tokens,
+                request.token_ids,
+                mark,
+            );
+            self.apply_matches(&mut local, prompt_tokens, request.token_ids, mark);
         } else {
             for c in candidates.iter_mut().chain(local.iter_mut()) {
                 c.terms.uncached_tokens = prompt_tokens;
@@ -403,6 +427,7 @@ impl Router {
             prompt_bytes,
             adapter: request.adapter.map(str::to_string),
             max_tokens: request.max_tokens,
+            session,
         })
     }
 
@@ -484,8 +509,10 @@ impl Router {
         candidates: &mut [Candidate],
         prompt_tokens: u32,
         token_ids: Option<&[u32]>,
+        session: Option<SessionMark>,
     ) {
         let block_bytes = self.config.index.block_bytes;
+        let prompt_bytes = (f64::from(prompt_tokens) * self.bytes_per_token) as usize;
         // At least one prompt token is always computed, as engines do.
         let max_cached = prompt_tokens.saturating_sub(1);
         for c in candidates.iter_mut() {
@@ -497,7 +524,17 @@ impl Router {
                 }
                 _ => 1.0,
             };
-            let bytes = tapered_end(blocks, block_bytes) as f64 * held;
+            let mut bytes = tapered_end(blocks, block_bytes) as f64 * held;
+            // The session's last instance likely holds the conversation even where the prompt
+            // was edited (the index then matches less): its last prompt, discounted by how
+            // likely a prompt of that age is still held, is a floor.
+            if let (Some(mark), Some(instance)) = (session, self.fleet.get(c.instance)) {
+                if mark.instance == c.instance {
+                    let age = self.index.current_seq(slot).saturating_sub(mark.seq);
+                    let p = instance.learned.survival.p_held(age);
+                    bytes = bytes.max(mark.bytes.min(prompt_bytes) as f64 * p);
+                }
+            }
             let mut cached = (bytes / self.bytes_per_token) as u32;
             if let Some(tokens) = token_ids {
                 if let Some(exact) = self.exact.cached_tokens(c.instance.slot, tokens) {
@@ -676,6 +713,17 @@ impl Router {
         pending.insert(pending_key);
         // A decode leg holds the prompt too once its KV has landed, so later turns can match it.
         self.index.insert(slot, &plan.block_hashes);
+        if let Some(session) = plan.session {
+            if self.sessions.len() >= MAX_SESSIONS && !self.sessions.contains_key(&session) {
+                self.sessions.clear();
+            }
+            let mark = SessionMark {
+                instance: id,
+                seq: self.index.current_seq(slot),
+                bytes: plan.prompt_bytes,
+            };
+            self.sessions.insert(session, mark);
+        }
         self.in_flight.insert(
             request,
             InFlight {

@@ -43,6 +43,7 @@ fn queue(router: &mut Router, id: u64, instance: InstanceId, tokens: u32) {
         max_tokens: 16,
         is_decode_only: false,
         estimated_ttft_s: None,
+        session: None,
     };
     router
         .observe(

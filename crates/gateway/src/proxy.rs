@@ -128,6 +128,7 @@ impl Routed {
                 max_tokens: 0,
                 is_decode_only: false,
                 estimated_ttft_s: None,
+                session: None,
             },
         }
     }
