@@ -97,92 +97,13 @@ if [[ "$(cat "$VENV/.pins" 2>/dev/null || true)" != "$want" ]]; then
 fi
 [[ -x $VENV/bin/vllm-router ]] || die "vllm-router missing from $VENV"
 
-if ! command -v nginx >/dev/null 2>&1 && [[ ! -x /usr/sbin/nginx ]]; then
-    log "installing nginx (Debian package)..."
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y nginx-light >/dev/null 2>&1 ||
-        { apt-get update >/dev/null && apt-get install -y nginx-light >/dev/null; } ||
-        die "cannot install nginx"
-fi
-NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+# shellcheck source=bench/lib.sh
+source "$ROOT/bench/lib.sh"
+install_nginx
 
 # --- processes and cleanup --------------------------------------------------------------
 mkdir -p "$OUT"
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/switchyard-peers.XXXXXX")
-PIDS=()
-cleanup() {
-    local pid
-    for pid in "${PIDS[@]}"; do
-        kill -TERM "$pid" 2>/dev/null || true
-    done
-    for _ in $(seq 1 50); do
-        local alive=0
-        for pid in "${PIDS[@]}"; do
-            kill -0 "$pid" 2>/dev/null && alive=1
-        done
-        ((alive)) || break
-        sleep 0.1
-    done
-    for pid in "${PIDS[@]}"; do
-        kill -KILL "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-# start NAME CMD...: a background process with stdout/stderr in $TMP/NAME.{out,err}; sets LAST_PID
-start() {
-    local name=$1
-    shift
-    # exec: the recorded pid is the process itself, so it can be stopped.
-    exec "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
-    LAST_PID=$!
-    PIDS+=("$LAST_PID")
-}
-
-# stop PID...: TERM, then KILL after 5 s; forgets them.
-stop() {
-    local pid keep=()
-    for pid in "$@"; do
-        kill -TERM "$pid" 2>/dev/null || true
-    done
-    for _ in $(seq 1 50); do
-        local alive=0
-        for pid in "$@"; do
-            kill -0 "$pid" 2>/dev/null && alive=1
-        done
-        ((alive)) || break
-        sleep 0.1
-    done
-    for pid in "$@"; do
-        kill -KILL "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
-    for pid in "${PIDS[@]}"; do
-        [[ " $* " == *" $pid "* ]] || keep+=("$pid")
-    done
-    PIDS=("${keep[@]}")
-}
-
-# address NAME PID: the URL from the process's `listening on` line
-address() {
-    local url
-    for _ in $(seq 1 400); do
-        if url=$(grep -o -m1 'http://[0-9.]*:[0-9]*' "$TMP/$1.out" 2>/dev/null); then
-            echo "$url"
-            return
-        fi
-        kill -0 "$2" 2>/dev/null || { cat "$TMP/$1.err" >&2; die "$1 exited"; }
-        sleep 0.05
-    done
-    die "$1 printed no address"
-}
-
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
+bench_processes peers
 
 # wait_ok URL PID NAME: until URL answers 2xx (60 s at most)
 wait_ok() {

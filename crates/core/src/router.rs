@@ -434,19 +434,19 @@ impl Router {
     /// Median learned prefill speed over the model's first [`POOL_SAMPLE`] instances: the same
     /// set whether the decision scores every instance or a shortlist, and bounded work.
     fn pool_speed(&self, model: &str) -> f64 {
-        let mut speeds: Vec<f64> = self
-            .fleet
-            .serving(model)
-            .iter()
-            .take(POOL_SAMPLE)
-            .filter_map(|&slot| self.fleet.by_slot(slot))
-            .map(|i| i.learned.prefill_tokens_per_s)
-            .collect();
-        if speeds.is_empty() {
+        // A fixed array: this runs on every decision, and allocates nothing.
+        let mut speeds = [0.0f64; POOL_SAMPLE];
+        let mut n = 0;
+        for &slot in self.fleet.serving(model).iter().take(POOL_SAMPLE) {
+            if let Some(instance) = self.fleet.by_slot(slot) {
+                speeds[n] = instance.learned.prefill_tokens_per_s;
+                n += 1;
+            }
+        }
+        if n == 0 {
             return 0.0;
         }
-        let mid = speeds.len() / 2;
-        let (_, median, _) = speeds.select_nth_unstable_by(mid, f64::total_cmp);
+        let (_, median, _) = speeds[..n].select_nth_unstable_by(n / 2, f64::total_cmp);
         *median
     }
 
@@ -518,18 +518,15 @@ impl Router {
         for c in candidates.iter_mut() {
             let slot = c.instance.slot;
             let blocks = self.depth_by_slot[slot as usize];
-            let held = match self.fleet.get(c.instance) {
-                Some(instance) if blocks > 0 => {
-                    held_share(&self.index, slot, &self.hashes, blocks, instance)
+            let mut bytes = tapered_end(blocks, block_bytes) as f64;
+            if let Some(instance) = self.fleet.get(c.instance) {
+                if blocks > 0 {
+                    bytes *= held_share(&self.index, slot, &self.hashes, blocks, instance);
                 }
-                _ => 1.0,
-            };
-            let mut bytes = tapered_end(blocks, block_bytes) as f64 * held;
-            // The session's last instance likely holds the conversation even where the prompt
-            // was edited (the index then matches less): its last prompt, discounted by how
-            // likely a prompt of that age is still held, is a floor.
-            if let (Some(mark), Some(instance)) = (session, self.fleet.get(c.instance)) {
-                if mark.instance == c.instance {
+                // The session's last instance likely holds the conversation even where the
+                // prompt was edited (the index then matches less): its last prompt, discounted
+                // by how likely a prompt of that age is still held, is a floor.
+                if let Some(mark) = session.filter(|m| m.instance == c.instance) {
                     let age = self.index.current_seq(slot).saturating_sub(mark.seq);
                     let p = instance.learned.survival.p_held(age);
                     bytes = bytes.max(mark.bytes.min(prompt_bytes) as f64 * p);

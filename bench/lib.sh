@@ -1,0 +1,90 @@
+# shellcheck shell=bash
+# Shared pieces of the bench/*.sh scripts that start processes on loopback: `source` it after
+# defining log and die.
+#
+#   bench_processes NAME   $TMP (a fresh directory), $PIDS, and a trap that stops every
+#                          process started with `start` and removes $TMP on exit
+#   start NAME CMD...      a background process, output in $TMP/NAME.{out,err}; sets LAST_PID
+#   stop PID...            TERM, then KILL after 5 s; forgets them
+#   address NAME PID       the URL of the process's `listening on` line (60 s at most)
+#   free_port              a free port on 127.0.0.1
+#   install_nginx          Debian's nginx-light if no nginx is installed; sets NGINX
+
+bench_processes() {
+    TMP=$(mktemp -d "${TMPDIR:-/tmp}/switchyard-$1.XXXXXX")
+    PIDS=()
+    trap bench_cleanup EXIT
+    trap 'exit 130' INT TERM
+}
+
+# TERM every pid given, wait up to 5 s for them to exit, then KILL and reap what is left.
+bench_kill_all() {
+    local pid
+    for pid in "$@"; do
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+    for _ in $(seq 1 50); do
+        local alive=0
+        for pid in "$@"; do
+            kill -0 "$pid" 2>/dev/null && alive=1
+        done
+        ((alive)) || break
+        sleep 0.1
+    done
+    for pid in "$@"; do
+        kill -KILL "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+}
+
+bench_cleanup() {
+    bench_kill_all "${PIDS[@]}"
+    rm -rf "$TMP"
+}
+
+start() {
+    local name=$1
+    shift
+    # exec: the recorded pid is the process itself, so it can be stopped.
+    exec "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
+    LAST_PID=$!
+    PIDS+=("$LAST_PID")
+}
+
+stop() {
+    local pid keep=()
+    bench_kill_all "$@"
+    for pid in "${PIDS[@]}"; do
+        [[ " $* " == *" $pid "* ]] || keep+=("$pid")
+    done
+    PIDS=("${keep[@]}")
+}
+
+address() {
+    local url
+    for _ in $(seq 1 1200); do
+        if url=$(grep -o -m1 'http://[0-9.]*:[0-9]*' "$TMP/$1.out" 2>/dev/null); then
+            echo "$url"
+            return
+        fi
+        kill -0 "$2" 2>/dev/null || { tail -20 "$TMP/$1.err" >&2; die "$1 exited"; }
+        sleep 0.05
+    done
+    die "$1 printed no address"
+}
+
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+install_nginx() {
+    if ! command -v nginx >/dev/null 2>&1 && [[ ! -x /usr/sbin/nginx ]]; then
+        log "installing nginx (Debian package)..."
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y nginx-light >/dev/null 2>&1 ||
+            { apt-get update >/dev/null && apt-get install -y nginx-light >/dev/null; } ||
+            die "cannot install nginx"
+    fi
+    # shellcheck disable=SC2034 # used by the scripts that source this
+    NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+}
