@@ -279,6 +279,11 @@ impl IntoResponse for ApiError {
         if let Some(secs) = self.retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+            // The rest of the body was never read, so the connection cannot carry
+            // another request: say so, or a client reuses it and loses its next one.
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         response
     }
 }
@@ -316,5 +321,14 @@ mod tests {
         assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(r.headers()[header::RETRY_AFTER], "3");
         assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
+    }
+
+    #[test]
+    fn too_large_closes_the_connection_and_others_keep_it() {
+        let r = ApiError::too_large(10).into_response();
+        assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(r.headers()[header::CONNECTION], "close");
+        let r = ApiError::no_route("/x").into_response();
+        assert!(r.headers().get(header::CONNECTION).is_none());
     }
 }
