@@ -105,7 +105,7 @@ pub struct SimArgs {
     #[arg(long, value_name = "FILE")]
     fleet: Option<PathBuf>,
 
-    /// Router settings file (JSON `RouterConfig`; its `policy` is ignored).
+    /// Router settings file (JSON `RouterConfig`; its `policy` is ignored; with --suite: every run's).
     #[arg(long, value_name = "FILE")]
     router_config: Option<PathBuf>,
     /// Router replicas, each seeing its share of the traffic.
@@ -141,7 +141,7 @@ pub struct SimArgs {
 
     /// Run the workload suite instead: `cost` against the baselines on eight workloads, at
     /// round-robin's calibrated capacity and in overload, over --seeds; prints one table of
-    /// ratios. The workload, fleet and router flags above are ignored.
+    /// ratios. The workload, fleet and router flags above are ignored, except --router-config.
     #[arg(long)]
     suite: bool,
     /// Suite: seeds of the compared runs.
@@ -269,15 +269,7 @@ fn sim_config(args: &SimArgs) -> anyhow::Result<SimConfig> {
             engine: engine_template(args)?,
         }]
     };
-    let router = match &args.router_config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            serde_json::from_str::<RouterConfig>(&text)
-                .with_context(|| format!("parsing {}", path.display()))?
-        }
-        None => RouterConfig::default(),
-    };
+    let router = router_settings(args)?;
     Ok(SimConfig {
         fleet,
         router,
@@ -290,6 +282,19 @@ fn sim_config(args: &SimArgs) -> anyhow::Result<SimConfig> {
         queue_chart_instances: args.queue_instances,
         lower_bound: !args.no_lower_bound,
         model: None,
+    })
+}
+
+/// The router settings of `--router-config`, or the defaults.
+fn router_settings(args: &SimArgs) -> anyhow::Result<RouterConfig> {
+    Ok(match &args.router_config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str::<RouterConfig>(&text)
+                .with_context(|| format!("parsing {}", path.display()))?
+        }
+        None => RouterConfig::default(),
     })
 }
 
@@ -319,6 +324,7 @@ fn run_suite(args: &SimArgs) -> anyhow::Result<()> {
         overload: args.suite_overload,
         rates,
         jobs: args.suite_jobs.max(1),
+        router: router_settings(args)?,
     };
     let started = std::time::Instant::now();
     let results = switchyard_sim::suite::run_suite(&options, &|line| eprintln!("{line}"))?;

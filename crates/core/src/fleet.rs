@@ -210,13 +210,56 @@ pub struct Instance {
     pub load: RouterLoad,
     /// Last scraped engine metrics and when they were scraped.
     pub engine: Option<(EngineMetrics, f64)>,
+    /// The router's own accounting when those metrics arrived: what the engine showed beyond
+    /// it was sent by someone else.
+    pub load_at_scrape: RouterLoad,
     /// Learned speeds.
     pub learned: Learned,
     /// Adapter residency.
     pub adapters: AdapterResidency,
 }
 
+/// An instance's load as the router prices it: its own exact accounting plus the engine's
+/// excess at the last fresh scrape (other routers' traffic).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct LoadView {
+    /// Prefill work queued ahead, in tokens.
+    pub pending_tokens: f64,
+    /// Sequences decoding.
+    pub running: u32,
+    /// Requests in the instance at all.
+    pub in_system: u32,
+    /// KV usage 0..1, if the engine reports it.
+    pub kv_usage: Option<f64>,
+}
+
 impl Instance {
+    /// The load to price. The router's own counts are exact and immediate; a scrape is up to
+    /// an interval old, and taking the larger of the two made an instance that had just
+    /// drained look busy until the next scrape. So only what the engine held beyond what this
+    /// router had sent it at scrape time (another router's requests) is added, while fresh.
+    pub fn load_view(&self, now: f64, stale_after: f64) -> LoadView {
+        let load = &self.load;
+        let mut view = LoadView {
+            pending_tokens: load.pending_tokens as f64,
+            running: load.running_requests,
+            in_system: load.in_flight(),
+            kv_usage: None,
+        };
+        if let Some(m) = self.fresh_metrics(now, stale_after) {
+            let ours = &self.load_at_scrape;
+            let others = (m.waiting + m.running).saturating_sub(ours.in_flight());
+            // Ours that had no first token may be queued or prefilling on the engine: only a
+            // queue longer than all of them holds someone else's requests.
+            let others_waiting = m.waiting.saturating_sub(ours.pending_requests).min(others);
+            view.pending_tokens += f64::from(others_waiting) * self.learned.mean_uncached_tokens;
+            view.running += others - others_waiting;
+            view.in_system += others;
+            view.kv_usage = m.kv_usage;
+        }
+        view
+    }
+
     /// Engine metrics if scraped within `stale_after` seconds of `now`; stale ones are unknown.
     pub fn fresh_metrics(&self, now: f64, stale_after: f64) -> Option<&EngineMetrics> {
         self.engine
@@ -291,6 +334,7 @@ impl Fleet {
             health: Health::Healthy,
             load: RouterLoad::default(),
             engine: None,
+            load_at_scrape: RouterLoad::default(),
             learned,
             adapters: residency,
         });
@@ -427,5 +471,42 @@ mod tests {
         let i = fleet.get(a).unwrap();
         assert!(i.fresh_metrics(12.0, 5.0).is_some());
         assert!(i.fresh_metrics(15.5, 5.0).is_none());
+    }
+
+    #[test]
+    fn the_load_view_adds_only_what_the_engine_held_beyond_this_router() {
+        let mut fleet = Fleet::default();
+        let a = fleet.add(InstanceSpec::new("a", "m"), learned()).unwrap();
+        let i = fleet.get_mut(a).unwrap();
+        i.learned.mean_uncached_tokens = 100.0;
+        // At the scrape the router had 3 requests without a first token and 1 decoding; the
+        // engine showed exactly those.
+        i.load = RouterLoad {
+            pending_requests: 3,
+            pending_tokens: 300,
+            running_requests: 1,
+            kv_tokens: 0,
+        };
+        i.load_at_scrape = i.load.clone();
+        let metrics = |waiting, running| EngineMetrics {
+            waiting,
+            running,
+            ..EngineMetrics::default()
+        };
+        i.engine = Some((metrics(2, 2), 10.0));
+        let v = i.load_view(10.5, 5.0);
+        assert_eq!((v.pending_tokens, v.running, v.in_system), (300.0, 1, 4));
+        // They all finished before the next scrape: the instance is idle, not as busy as the
+        // scrape said.
+        i.load = RouterLoad::default();
+        let v = i.load_view(10.6, 5.0);
+        assert_eq!((v.pending_tokens, v.running, v.in_system), (0.0, 0, 0));
+        // Another router's requests: 5 more than ours; at least 2 of them queued (ours without
+        // a first token may have been the other 3 in the queue).
+        i.engine = Some((metrics(5, 4), 10.0));
+        let v = i.load_view(10.6, 5.0);
+        assert_eq!((v.pending_tokens, v.running, v.in_system), (200.0, 3, 5));
+        // Once stale, only the router's own view is left.
+        assert_eq!(i.load_view(16.0, 5.0).in_system, 0);
     }
 }

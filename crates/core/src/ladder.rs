@@ -28,37 +28,19 @@ fn role_index(role: Role) -> usize {
     }
 }
 
-/// Estimated wait of a new request on `instance` in nanoseconds: queued prefill work plus the
-/// stall its prefill would inflict on the running batch (the `cost` policy's decode penalty,
-/// with the instance's mean uncached prompt standing in for the request's).
-fn wait_key(instance: &Instance, decode_interference_weight: f64) -> u64 {
-    let load = &instance.load;
-    let learned = &instance.learned;
-    let (engine_pending, engine_running) = instance.engine.as_ref().map_or((0.0, 0), |(m, _)| {
-        (
-            f64::from(m.waiting) * learned.mean_uncached_tokens,
-            m.running,
-        )
-    });
-    let pending = (load.pending_tokens as f64).max(engine_pending);
-    let running = f64::from(load.running_requests.max(engine_running));
-    let speed = learned.prefill_tokens_per_s.max(1.0);
-    let wait_s = pending / speed
-        + decode_interference_weight * running * learned.mean_uncached_tokens / speed;
-    // In-flight requests break ties, so idle-looking instances with queued work sort later.
-    (wait_s * 1e9) as u64 + u64::from(load.in_flight())
+/// The ladder's key in nanoseconds: the `cost` policy's wait of a typical request
+/// ([`crate::policy::cost::typical_wait_s`]), then requests in flight, so idle-looking
+/// instances with queued work sort later.
+fn wait_key(instance: &Instance, wait_s: f64) -> u64 {
+    (wait_s.max(0.0) * 1e9) as u64 + u64::from(instance.load.in_flight())
 }
 
 impl LoadLadder {
-    /// Puts `instance` on its rung with its current load (off the ladder unless healthy).
-    pub(crate) fn update(&mut self, instance: &Instance, decode_interference_weight: f64) {
+    /// Puts `instance` on its rung with its estimated wait (off the ladder unless healthy).
+    pub(crate) fn update(&mut self, instance: &Instance, wait_s: f64) {
         let slot = instance.id.slot;
-        let next = (instance.health == Health::Healthy).then(|| {
-            (
-                role_index(instance.spec.role),
-                wait_key(instance, decode_interference_weight),
-            )
-        });
+        let next = (instance.health == Health::Healthy)
+            .then(|| (role_index(instance.spec.role), wait_key(instance, wait_s)));
         let index = slot as usize;
         if self.entry.len() <= index {
             self.entry.resize(index + 1, None);
@@ -101,6 +83,12 @@ mod tests {
     use super::*;
     use crate::fleet::{Fleet, InstanceSpec, Learned};
 
+    fn put(ladder: &mut LoadLadder, instance: &Instance) {
+        let wait_s =
+            crate::policy::cost::typical_wait_s(&crate::RouterConfig::default(), instance, 0.0);
+        ladder.update(instance, wait_s);
+    }
+
     fn learned() -> Learned {
         Learned {
             prefill_tokens_per_s: 10_000.0,
@@ -126,18 +114,18 @@ mod tests {
         for (n, id) in ids.iter().enumerate() {
             let instance = fleet.get_mut(*id).unwrap();
             instance.load.pending_tokens = 1000 * (3 - n as u64);
-            ladder.update(fleet.get(*id).unwrap(), 0.03);
+            put(&mut ladder, fleet.get(*id).unwrap());
         }
         let order: Vec<Slot> = ladder.least_loaded(Role::Both).collect();
         assert_eq!(order, vec![ids[2].slot, ids[1].slot, ids[0].slot]);
         // The busiest becomes idle: it moves to the front, and is never listed twice.
         fleet.get_mut(ids[0]).unwrap().load.pending_tokens = 0;
-        ladder.update(fleet.get(ids[0]).unwrap(), 0.03);
+        put(&mut ladder, fleet.get(ids[0]).unwrap());
         let order: Vec<Slot> = ladder.least_loaded(Role::Both).collect();
         assert_eq!(order, vec![ids[0].slot, ids[2].slot, ids[1].slot]);
         // Unhealthy instances are off the ladder until healthy again.
         fleet.get_mut(ids[2]).unwrap().health = Health::Unhealthy;
-        ladder.update(fleet.get(ids[2]).unwrap(), 0.03);
+        put(&mut ladder, fleet.get(ids[2]).unwrap());
         assert_eq!(ladder.len(), 2);
         ladder.remove(ids[1].slot);
         let order: Vec<Slot> = ladder.least_loaded(Role::Both).collect();
@@ -153,8 +141,8 @@ mod tests {
         fleet.get_mut(a).unwrap().load.running_requests = 50;
         fleet.get_mut(b).unwrap().load.pending_tokens = 100;
         let mut ladder = LoadLadder::default();
-        ladder.update(fleet.get(a).unwrap(), 0.03);
-        ladder.update(fleet.get(b).unwrap(), 0.03);
+        put(&mut ladder, fleet.get(a).unwrap());
+        put(&mut ladder, fleet.get(b).unwrap());
         // 50 × 0.03 × 1000 tokens of stall outweighs 100 tokens queued.
         let order: Vec<Slot> = ladder.least_loaded(Role::Both).collect();
         assert_eq!(order, vec![b.slot, a.slot]);

@@ -494,10 +494,10 @@ impl Router {
     }
 
     /// Moves an instance on the load ladder after its load, health or speed changed.
-    fn relevel(&mut self, id: InstanceId) {
+    fn relevel(&mut self, id: InstanceId, now: f64) {
         if let Some(instance) = self.fleet.get(id) {
-            self.ladder
-                .update(instance, self.config.cost.decode_interference_weight);
+            let wait_s = crate::policy::cost::typical_wait_s(&self.config, instance, now);
+            self.ladder.update(instance, wait_s);
         }
     }
 
@@ -560,7 +560,7 @@ impl Router {
                     .get_mut(id)
                     .ok_or(ObserveError::UnknownInstance(id))?;
                 instance.health = health;
-                self.relevel(id);
+                self.relevel(id, now);
                 Ok(())
             }
             Observation::MetricsScraped(id, metrics) => {
@@ -576,8 +576,9 @@ impl Router {
                     }
                 }
                 instance.engine = Some((metrics, now));
+                instance.load_at_scrape = instance.load.clone();
                 self.resize_lane(id);
-                self.relevel(id);
+                self.relevel(id, now);
                 Ok(())
             }
             Observation::Routed {
@@ -643,7 +644,8 @@ impl Router {
         // Invariant: the instance was just added.
         let capacity = self.index_capacity(self.fleet.get(id).expect("just added"));
         self.index.set_capacity(id.slot, capacity);
-        self.relevel(id);
+        // A new instance has no scrape yet, so no clock is needed to price its load.
+        self.relevel(id, 0.0);
         Ok(id)
     }
 
@@ -742,7 +744,7 @@ impl Router {
                 pending_key,
             },
         );
-        self.relevel(id);
+        self.relevel(id, now);
         Ok(())
     }
 
@@ -789,7 +791,7 @@ impl Router {
                 ewma(learned.prefill_tokens_per_s, sample, e.learning_rate);
         }
         let id = record.instance;
-        self.relevel(id);
+        self.relevel(id, now);
         Ok(())
     }
 
@@ -827,7 +829,7 @@ impl Router {
                 rate,
             );
         }
-        self.relevel(record.instance);
+        self.relevel(record.instance, now);
         if !finished {
             return Ok(());
         }

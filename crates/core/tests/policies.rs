@@ -116,6 +116,22 @@ fn cost_ties_are_broken_at_random_not_to_the_first_instance() {
 }
 
 #[test]
+fn cost_breaks_a_tie_toward_the_instance_holding_the_prompt() {
+    let (mut router, _) = router("cost", 4);
+    // A short prompt: what its cached prefix saves is within the tie tolerance.
+    let first = "a short opening turn, cached where it went";
+    let holder = send(&mut router, 1, &RouteRequest::text("m", first), 0.0);
+    finish(&mut router, 1, 0.1);
+    for i in 0..50 {
+        let next = format!("{first} and then follow-up number {i}");
+        let decision = router.route(&RouteRequest::text("m", &next), 1.0).unwrap();
+        let best = &decision.eligible_candidates()[0];
+        assert!(best.terms.cached_tokens > 0, "{:?}", best.terms);
+        assert_eq!(decision.best(), Some(holder), "follow-up {i}");
+    }
+}
+
+#[test]
 fn cost_learns_a_slow_instance_and_moves_away_from_it() {
     let (mut router, ids) = router("cost", 2);
     let before = router.learned(ids[0]).unwrap().prefill_tokens_per_s;

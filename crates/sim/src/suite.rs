@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
+use switchyard_core::RouterConfig;
 use switchyard_engine::Role;
 use switchyard_workload::{
     read_trace, AdapterMix, ArrivalProcess, ChatSpec, Count, Delay, GroupSelection, RequestStream,
@@ -303,6 +304,9 @@ pub struct SuiteOptions {
     /// Runs in parallel (threads).
     #[serde(skip)]
     pub jobs: usize,
+    /// Router settings of every run, baselines and calibration included (the policy of each
+    /// run is its own): a changed default is judged on the same loads.
+    pub router: RouterConfig,
 }
 
 impl Default for SuiteOptions {
@@ -315,6 +319,7 @@ impl Default for SuiteOptions {
             overload: 1.3,
             rates: Vec::new(),
             jobs: 1,
+            router: RouterConfig::default(),
         }
     }
 }
@@ -457,6 +462,8 @@ struct Prepared {
     /// Native rate of the trace slice, requests/s (1 for generated workloads).
     trace_rate: f64,
     requests: u64,
+    /// Router settings of every run (the policy comes from the run).
+    router: RouterConfig,
 }
 
 impl Prepared {
@@ -499,6 +506,7 @@ impl Prepared {
             rows,
             trace_rate,
             requests,
+            router: RouterConfig::default(),
         })
     }
 
@@ -523,6 +531,7 @@ impl Prepared {
             queue_chart_instances: 0,
             lower_bound: false,
             model: Some(DEFAULT_MODEL.to_string()),
+            router: self.router.clone(),
             ..SimConfig::default()
         }
     }
@@ -755,7 +764,12 @@ pub fn run_suite(options: &SuiteOptions, log: &(dyn Fn(&str) + Sync)) -> Result<
     let mut traces = Vec::new();
     let prepared = chosen
         .into_iter()
-        .map(|w| Prepared::new(w, &mut traces))
+        .map(|w| {
+            Prepared::new(w, &mut traces).map(|p| Prepared {
+                router: options.router.clone(),
+                ..p
+            })
+        })
         .collect::<Result<Vec<_>>>()?;
 
     // Calibrate (each workload's search is sequential; workloads run in parallel).

@@ -10,39 +10,54 @@ use rand::rngs::SmallRng;
 use rustc_hash::FxHashMap;
 
 use super::{Policy, ScoringContext, Stage, TieBreak};
+use crate::config::RouterConfig;
 use crate::decision::{Candidate, CostTerms, Exclusion};
-use crate::fleet::Instance;
+use crate::fleet::{Instance, LoadView};
 
 /// The `cost` policy (stateless: everything it needs is in the fleet view).
 pub struct CostPolicy;
 
-/// What the router and the engine (if its metrics are fresh) say about an instance's load;
-/// for each quantity the larger view wins, since the engine also sees other routers' traffic.
-struct LoadView {
-    /// Prefill work queued ahead, in tokens.
-    pending_tokens: f64,
-    /// Sequences decoding.
-    running: u32,
-    /// Requests in the instance at all.
-    in_system: u32,
-    /// KV usage 0..1, if known.
-    kv_usage: Option<f64>,
+fn load_view(ctx: &ScoringContext<'_>, instance: &Instance) -> LoadView {
+    instance.load_view(ctx.now, ctx.config.estimates.metrics_stale_after_s)
 }
 
-fn load_view(ctx: &ScoringContext<'_>, instance: &Instance) -> LoadView {
-    let fresh = instance.fresh_metrics(ctx.now, ctx.config.estimates.metrics_stale_after_s);
-    let load = &instance.load;
-    let engine_pending = fresh.map_or(0.0, |m| {
-        f64::from(m.waiting) * instance.learned.mean_uncached_tokens
-    });
-    LoadView {
-        pending_tokens: (load.pending_tokens as f64).max(engine_pending),
-        running: load.running_requests.max(fresh.map_or(0, |m| m.running)),
-        in_system: load
-            .in_flight()
-            .max(fresh.map_or(0, |m| m.running + m.waiting)),
-        kv_usage: fresh.and_then(|m| m.kv_usage),
-    }
+/// What a request pays on `instance` before and because of its own prefill, apart from the
+/// prefill itself: (queue wait, the stall its prefill of `prefill_s` inflicts on the decoding
+/// batch and the requests queued behind it). The load ladder orders instances by the same
+/// function, so the shortlist and the score cannot drift apart.
+fn wait_and_interference_s(
+    config: &RouterConfig,
+    instance: &Instance,
+    view: &LoadView,
+    speed: f64,
+    prefill_s: f64,
+) -> (f64, f64) {
+    let cost = &config.cost;
+    let wait_s = view.pending_tokens / speed + slot_wait_s(instance, view.in_system);
+    // Requests queued behind this one wait for its prefill too: by Little's law about as many
+    // arrive while it waits as are queued now (the first one queued is this request's own
+    // company, not a backlog). Without this term an overloaded fleet trades cache hits for
+    // queue balance, and the misses it takes add the work that keeps it overloaded.
+    let backlog = f64::from(
+        view.in_system
+            .saturating_sub(view.running)
+            .saturating_sub(1),
+    );
+    let interference = (cost.decode_interference_weight * f64::from(view.running)
+        + cost.queue_interference_weight * backlog)
+        * prefill_s;
+    (wait_s, interference)
+}
+
+/// The estimated wait of a typical request (the instance's mean uncached prompt) on
+/// `instance`: the load ladder's key.
+pub fn typical_wait_s(config: &RouterConfig, instance: &Instance, now: f64) -> f64 {
+    let view = instance.load_view(now, config.estimates.metrics_stale_after_s);
+    let speed = instance.learned.prefill_tokens_per_s.max(1.0);
+    let prefill_s = instance.learned.mean_uncached_tokens / speed;
+    let (wait_s, interference_s) =
+        wait_and_interference_s(config, instance, &view, speed, prefill_s);
+    wait_s + interference_s
 }
 
 /// Waiting for a free sequence slot once `max_running` sequences are busy.
@@ -192,7 +207,6 @@ pub fn prefill_terms(
     instance: &Instance,
     mut terms: CostTerms,
 ) -> CostTerms {
-    let cost = &ctx.config.cost;
     let speed = priced_speed(instance.learned.prefill_tokens_per_s, ctx.pool_speed);
     // The index's match is already weighted by how likely the instance still holds it.
     let cached = f64::from(terms.cached_tokens);
@@ -200,21 +214,10 @@ pub fn prefill_terms(
     terms.cached_tokens = cached as u32;
     terms.uncached_tokens = uncached as u32;
     let view = load_view(ctx, instance);
-    terms.wait_s = view.pending_tokens / speed + slot_wait_s(instance, view.in_system);
     terms.prefill_s = uncached / speed;
+    (terms.wait_s, terms.decode_penalty_s) =
+        wait_and_interference_s(ctx.config, instance, &view, speed, terms.prefill_s);
     terms.adapter_s = adapter_s(ctx, instance);
-    // Requests queued behind this one wait for its prefill too: by Little's law about as many
-    // arrive while it waits as are queued now (the first one queued is this request's own
-    // company, not a backlog). Without this term an overloaded fleet trades cache hits for
-    // queue balance, and the misses it takes add the work that keeps it overloaded.
-    let backlog = f64::from(
-        view.in_system
-            .saturating_sub(view.running)
-            .saturating_sub(1),
-    );
-    terms.decode_penalty_s = (cost.decode_interference_weight * f64::from(view.running)
-        + cost.queue_interference_weight * backlog)
-        * terms.prefill_s;
     let new_tokens = uncached + f64::from(ctx.request.max_tokens);
     terms.kv_penalty_s = kv_penalty_s(ctx, instance, &view, new_tokens);
     terms
@@ -358,7 +361,10 @@ impl Policy for CostPolicy {
 
 /// Randomised tie-break among near-equal candidates: every candidate within the tolerance of
 /// the best gets the best score plus a tiny random offset, so the ranking picks one of them at
-/// random instead of always the first (no herding onto one instance).
+/// random instead of always the first (no herding onto one instance). Within the tie, the
+/// candidates expected to hold most of the prompt go first: at the same estimated TTFT, the
+/// others would store a second copy of the prefix and evict something of their own for it.
+/// A holder only wins a tie, so a hot prefix still spreads once its holders' wait grows.
 fn near_ties_to_random(ctx: &ScoringContext<'_>, candidates: &mut [Candidate], rng: &mut SmallRng) {
     use rand::Rng;
     let cost = &ctx.config.cost;
@@ -371,11 +377,21 @@ fn near_ties_to_random(ctx: &ScoringContext<'_>, candidates: &mut [Candidate], r
         return;
     }
     let limit = best + best.abs() * cost.tie_relative + cost.tie_absolute_s;
-    for c in candidates
-        .iter_mut()
-        .filter(|c| c.excluded.is_none() && c.score <= limit)
-    {
-        // The offset is far below any real difference and keeps the tied group ahead of the rest.
-        c.score = best + rng.random::<f64>() * 1e-12;
+    let tied = |c: &Candidate| c.excluded.is_none() && c.score <= limit;
+    let most_cached = candidates
+        .iter()
+        .filter(|c| tied(c))
+        .map(|c| c.terms.cached_tokens)
+        .max()
+        .unwrap_or(0);
+    for c in candidates.iter_mut().filter(|c| tied(c)) {
+        // The offsets are far below any real difference and keep the tied group ahead of the
+        // rest; holders of less of the prompt rank after the best holders.
+        let behind = if c.terms.cached_tokens < most_cached {
+            1e-11
+        } else {
+            0.0
+        };
+        c.score = best + behind + rng.random::<f64>() * 1e-12;
     }
 }

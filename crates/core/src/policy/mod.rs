@@ -13,7 +13,7 @@ use crate::prefix::Slot;
 use crate::request::RouteRequest;
 
 mod baselines;
-mod cost;
+pub(crate) mod cost;
 mod dynamo;
 mod gie;
 mod gie_lora;
