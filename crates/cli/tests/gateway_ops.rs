@@ -118,6 +118,16 @@ async fn fleet_file_reloads_without_failing_requests() {
     .await;
     assert!(counted.is_some());
     assert_eq!(backend_names(&c, &gw).await.len(), 2);
+    // Nor does an empty one (what a truncate-then-write editor leaves for a moment).
+    std::fs::write(&file, "").unwrap();
+    let counted = poll(Duration::from_secs(10), || async {
+        let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+        (metric_sum(&m, "switchyard_fleet_reloads_total", &["result=\"error\""]) >= 2.0)
+            .then_some(())
+    })
+    .await;
+    assert!(counted.is_some());
+    assert_eq!(backend_names(&c, &gw).await.len(), 2);
 
     // Remove a: it drains (its stream keeps going) and then leaves.
     write_fleet(&file, &[&b]);

@@ -309,6 +309,62 @@ async fn saturated_requests_queue_then_get_429_with_retry_after() {
 }
 
 #[tokio::test]
+async fn queued_requests_are_admitted_in_arrival_order() {
+    // One request at a time; four wait behind it, each sent once the one before is queued.
+    let e = engine_on(0, &["--speed", "1"]);
+    let gw = gateway(&[
+        "--backend",
+        &backend(&e),
+        "--max-in-flight",
+        "1",
+        "--queue-size",
+        "8",
+        "--queue-timeout",
+        "60",
+    ]);
+    let c = client();
+    let url = gw.url("/v1/completions");
+    let queued = |n: f64| {
+        let (c, gw) = (c.clone(), &gw);
+        async move {
+            poll(Duration::from_secs(10), || async {
+                let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+                (metric_sum(&m, "switchyard_admission_queue_length", &[]) >= n).then_some(())
+            })
+            .await
+            .is_some()
+        }
+    };
+    let done = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let send = |i: usize, max_tokens: u32| {
+        let (c, url, done) = (c.clone(), url.clone(), done.clone());
+        tokio::spawn(async move {
+            let body =
+                json!({"model": MODEL, "prompt": format!("request {i}"), "max_tokens": max_tokens});
+            let r = post(&c, &url, &body).await;
+            done.lock().unwrap().push(i);
+            r.status
+        })
+    };
+    let mut tasks = vec![send(0, 200)];
+    let inflight = poll(Duration::from_secs(5), || async {
+        let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+        (metric_sum(&m, "switchyard_backend_in_flight", &[]) >= 1.0).then_some(())
+    })
+    .await;
+    assert!(inflight.is_some());
+    for i in 1..=4 {
+        tasks.push(send(i, 3));
+        assert!(queued(i as f64).await, "request {i} did not queue");
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    // Served one at a time, so they finish in the order they were admitted.
+    assert_eq!(*done.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+}
+
+#[tokio::test]
 async fn engine_queue_length_saturates_too() {
     // One sequence at a time on the engine: a second request waits in its queue, which the
     // scrape reports; --max-waiting 1 then sheds a third.

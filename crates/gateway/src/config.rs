@@ -113,6 +113,12 @@ pub enum ConfigError {
     /// Router settings out of range.
     #[error("{0}: {1}")]
     Router(PathBuf, switchyard_core::ConfigError),
+    /// The fleet file names no `backends` at all (empty, comments only, or half written).
+    #[error(
+        "{0}: no `backends` key (an empty or half-written file would remove every backend; \
+         write `backends: []` to run with none)"
+    )]
+    NoBackends(PathBuf),
     /// A `model_aliases` entry is unusable.
     #[error("{0}: model_aliases: {1}")]
     Alias(PathBuf, String),
@@ -123,9 +129,9 @@ pub enum ConfigError {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FleetFile {
-    /// The backends.
+    /// The backends; the key must be present (`backends: []` for none).
     #[serde(default)]
-    pub backends: Vec<BackendSpec>,
+    pub backends: Option<Vec<BackendSpec>>,
     /// Model aliases: a request for NAME is routed (and sent) as MODEL.
     #[serde(default)]
     pub model_aliases: BTreeMap<String, String>,
@@ -157,13 +163,20 @@ fn parse_by_extension<T: serde::de::DeserializeOwned>(
 pub fn load_fleet_file(path: &Path) -> Result<FleetConfig, ConfigError> {
     let text =
         std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
-    let file: FleetFile = if text.trim().is_empty() {
-        FleetFile::default()
-    } else {
-        parse_by_extension(path, &text)?
-    };
+    // An empty file parses as nothing in YAML; a truncate-then-write editor shows one for a
+    // moment. Either way it is not "no backends" unless the file says so.
+    let no_backends = || ConfigError::NoBackends(path.to_path_buf());
+    if text.trim().is_empty() {
+        return Err(no_backends());
+    }
+    let file: FleetFile = parse_by_extension(path, &text).map_err(|e| match e {
+        // A YAML file of comments only is an empty document: the same case.
+        ConfigError::Parse(..) if is_comments_only(&text) => no_backends(),
+        other => other,
+    })?;
     let specs = file
         .backends
+        .ok_or_else(no_backends)?
         .into_iter()
         .map(BackendSpec::normalise)
         .collect::<Result<Vec<_>, _>>()
@@ -177,6 +190,13 @@ pub fn load_fleet_file(path: &Path) -> Result<FleetConfig, ConfigError> {
         backends: specs,
         model_aliases: file.model_aliases,
     })
+}
+
+/// Whether every line is blank or a `#` comment.
+fn is_comments_only(text: &str) -> bool {
+    text.lines()
+        .map(str::trim)
+        .all(|l| l.is_empty() || l.starts_with('#'))
 }
 
 /// Reads router settings (`.toml`, `.json`, else YAML; any subset of the keys in docs/core.md).
@@ -234,8 +254,30 @@ mod tests {
             load_fleet_file(&t).unwrap().backends[0].address,
             "http://127.0.0.1:9003"
         );
-        let empty = write("empty.yaml", "\n");
-        assert_eq!(load_fleet_file(&empty).unwrap(), FleetConfig::default());
+        // No backends only when the file says so: empty, comment-only and key-less files are
+        // refused (an editor's truncate-then-write must not remove the fleet).
+        for (name, text) in [
+            ("no-backends.yaml", "\n"),
+            ("no-backends-comments.yaml", "# nothing yet\n\n"),
+            ("no-backends-aliases.yaml", "model_aliases: {a: m}\n"),
+            ("no-backends.toml", "# none\n"),
+            ("no-backends.json", "{}"),
+        ] {
+            let e = load_fleet_file(&write(name, text)).unwrap_err();
+            assert!(matches!(e, ConfigError::NoBackends(_)), "{name}: {e}");
+            assert!(e.to_string().contains("backends: []"), "{e}");
+        }
+        for (name, text) in [
+            ("explicitly-none.yaml", "backends: []\n"),
+            ("explicitly-none.toml", "backends = []\n"),
+            ("explicitly-none.json", "{\"backends\": []}"),
+        ] {
+            assert_eq!(
+                load_fleet_file(&write(name, text)).unwrap(),
+                FleetConfig::default(),
+                "{name}"
+            );
+        }
     }
 
     #[test]
@@ -247,11 +289,17 @@ mod tests {
         let fleet = load_fleet_file(&y).unwrap();
         assert_eq!(fleet.model_aliases["gpt-4o"], "m");
         assert_eq!(fleet.model_aliases["sql"], "sql-lora");
-        let t = write("aliases.toml", "[model_aliases]\n\"gpt-4o\" = \"m\"\n");
+        let t = write(
+            "aliases.toml",
+            "backends = []\n[model_aliases]\n\"gpt-4o\" = \"m\"\n",
+        );
         assert_eq!(load_fleet_file(&t).unwrap().model_aliases["gpt-4o"], "m");
         for (name, text) in [
-            ("self.yaml", "model_aliases:\n  m: m\n"),
-            ("empty.json", r#"{"model_aliases": {"gpt-4o": ""}}"#),
+            ("self.yaml", "backends: []\nmodel_aliases:\n  m: m\n"),
+            (
+                "empty.json",
+                r#"{"backends": [], "model_aliases": {"gpt-4o": ""}}"#,
+            ),
         ] {
             let e = load_fleet_file(&write(name, text)).unwrap_err();
             assert!(matches!(e, ConfigError::Alias(..)), "{e}");

@@ -271,6 +271,10 @@ async fn route(
     endpoint: Endpoint,
     rid: RequestId,
 ) -> Result<Routed, ApiError> {
+    // Requests already waiting for this model go first: a newcomer joins the end of the line.
+    if gw.admission.has_line(&parsed.model) {
+        return Box::pin(queue(gw, parsed, endpoint, rid)).await;
+    }
     match route_once(gw, parsed, endpoint, rid)? {
         RouteStep::Go(r) => Ok(r),
         RouteStep::NoBackend => Err(ApiError::no_backend(&parsed.model)),
@@ -279,7 +283,8 @@ async fn route(
     }
 }
 
-/// Waits in the admission queue, re-routing whenever capacity may have freed up.
+/// Waits in the admission queue (FIFO per model), routing again whenever it is this request's
+/// turn and capacity may have freed up.
 async fn queue(
     gw: &Gateway,
     parsed: &ParsedRequest<'_>,
@@ -287,18 +292,20 @@ async fn queue(
     rid: RequestId,
 ) -> Result<Routed, ApiError> {
     let retry_after = gw.settings.queue_timeout.as_secs().clamp(1, 60) as u32;
-    let Some(_place) = gw
-        .admission
-        .enter(gw.settings.queue_size, &gw.metrics.admission_queue)
-    else {
+    let Some(place) = gw.admission.enter(
+        &parsed.model,
+        gw.settings.queue_size,
+        &gw.metrics.admission_queue,
+    ) else {
         return Err(ApiError::saturated(retry_after));
     };
     let deadline = tokio::time::Instant::now() + gw.settings.queue_timeout;
-    while gw.admission.wait(deadline).await {
+    while place.turn(deadline).await {
         if gw.is_shutting_down() {
             return Err(ApiError::shutting_down());
         }
         match route_once(gw, parsed, endpoint, rid)? {
+            // Leaving the line (drop) gives the next request its turn.
             RouteStep::Go(r) => return Ok(r),
             RouteStep::Saturated => {}
             RouteStep::NoBackend => return Err(ApiError::no_backend(&parsed.model)),

@@ -1,6 +1,8 @@
 //! Fleet file reloads: the file's directory is watched (editors and Kubernetes replace files
 //! rather than write them in place), and SIGHUP also reloads. A file that fails to load keeps
-//! the fleet as it was.
+//! the fleet as it was, and so does one without a `backends` key (an empty file is what a
+//! truncate-then-write editor leaves for a moment). Events are debounced: the file is read once
+//! it has been quiet for [`QUIET`], so a file still being written is not applied half-way.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,6 +14,28 @@ use tokio::sync::mpsc;
 use crate::config::load_fleet_file;
 use crate::fleet;
 use crate::state::Gateway;
+
+/// A change is applied once no event came for this long.
+const QUIET: Duration = Duration::from_millis(200);
+
+/// ... or at the latest this long after the first event of a burst (a file rewritten without
+/// pause is still picked up).
+const QUIET_AT_MOST: Duration = Duration::from_secs(2);
+
+/// Waits until `rx` has been silent for [`QUIET`] (at most [`QUIET_AT_MOST`]); false when the
+/// sender is gone.
+async fn settle(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
+    let give_up = tokio::time::Instant::now() + QUIET_AT_MOST;
+    loop {
+        let until = (tokio::time::Instant::now() + QUIET).min(give_up);
+        match tokio::time::timeout_at(until, rx.recv()).await {
+            Err(_) => return true,
+            Ok(None) => return false,
+            Ok(Some(())) if tokio::time::Instant::now() >= give_up => return true,
+            Ok(Some(())) => {}
+        }
+    }
+}
 
 /// Keeps the watcher alive; dropping it stops watching.
 pub struct FleetWatcher {
@@ -81,9 +105,10 @@ pub fn watch(gw: Arc<Gateway>, path: PathBuf) -> Result<FleetWatcher, notify::Er
     let task = tokio::spawn(async move {
         let mut last = std::fs::read(&path).ok();
         while rx.recv().await.is_some() {
-            // Let a burst of events (write, rename, chmod) settle, then read once.
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            while rx.try_recv().is_ok() {}
+            // Let a burst of events (truncate, write, rename, chmod) settle, then read once.
+            if !settle(&mut rx).await {
+                return;
+            }
             let now = std::fs::read(&path).ok();
             if now.is_none() || now == last {
                 continue;
