@@ -414,8 +414,8 @@ impl<'de: 'a, 'a> Deserialize<'de> for Messages<'a> {
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
                 let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(4));
-                while let Some(m) = seq.next_element::<Option<RawMessage<'de>>>()? {
-                    if let Some(m) = m {
+                while let Some(m) = seq.next_element::<LenientMessage<'de>>()? {
+                    if let Some(m) = m.0 {
                         out.push(Message {
                             role: m.role.unwrap_or(Cow::Borrowed("")),
                             content: m.content.map(|c| c.0).unwrap_or(Cow::Borrowed("")),
@@ -445,6 +445,49 @@ impl<'de: 'a, 'a> Deserialize<'de> for Messages<'a> {
             }
             fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
                 Ok(Messages(Vec::new()))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// One `messages` element: an object is a message; anything else (a number, a string, null) is
+/// valid JSON the engine may refuse or accept, so it is forwarded and adds nothing to the prompt.
+struct LenientMessage<'a>(Option<RawMessage<'a>>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for LenientMessage<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = LenientMessage<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a message")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                RawMessage::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(|m| LenientMessage(Some(m)))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(LenientMessage(None))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(LenientMessage(None))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(LenientMessage(None))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(LenientMessage(None))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(LenientMessage(None))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(LenientMessage(None))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(LenientMessage(None))
             }
         }
         d.deserialize_any(V)
@@ -913,6 +956,20 @@ mod tests {
         assert_eq!(r.session_id, None);
         assert_eq!(r.messages, Some(vec![]));
         assert!(r.has_stream_options && !r.include_usage);
+    }
+
+    #[test]
+    fn odd_message_elements_are_forwarded_not_refused() {
+        let r = p(
+            r#"{"model":"m","messages":[1, "two", null, [3], true, {"role":"user","content":"hi"}]}"#,
+        );
+        let m = r.messages.as_ref().unwrap();
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].content, "hi");
+        assert_eq!(
+            p(r#"{"model":"m","messages":[1,2]}"#).messages,
+            Some(vec![])
+        );
     }
 
     #[test]
