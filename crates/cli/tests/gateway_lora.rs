@@ -168,9 +168,11 @@ async fn adapter_requests_reach_only_the_backends_that_hold_them() {
             );
         }
     }
+    // Unrelated prompts (one repeated prompt would rightly stay where it is cached).
     let mut bases = std::collections::BTreeSet::new();
-    for _ in 0..24 {
-        let r = complete(&c, &gw, MODEL).await;
+    for i in 0..24 {
+        let body = json!({"model": MODEL, "prompt": format!("{i} unrelated base request"), "max_tokens": 2});
+        let r = post(&c, &gw.url("/v1/completions"), &body).await;
         assert_eq!(r.status, 200, "{}", r.text);
         bases.insert(r.header("x-switchyard-backend").unwrap_or_default());
     }

@@ -423,20 +423,42 @@ async fn embeddings_are_routed_by_load() {
         "--backend",
         &b.backend(),
         "--strict-models",
+        "--admin-token",
+        "t",
     ]);
     let c = client();
-    for i in 0..6 {
-        let r = post(
-            &c,
-            &gw.url("/v1/embeddings"),
-            &json!({"model": MODEL, "input": format!("embed {i}")}),
-        )
-        .await;
-        assert_eq!(r.status, 200, "{}", r.text);
-        assert_eq!(r.json()["path"], "/v1/embeddings");
+    let embed = |i: usize| {
+        let (c, url) = (c.clone(), gw.url("/v1/embeddings"));
+        async move {
+            let r = post(
+                &c,
+                &url,
+                &json!({"model": MODEL, "input": format!("embed {i}")}),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", r.text);
+            assert_eq!(r.json()["path"], "/v1/embeddings");
+        }
+    };
+    for i in 0..16 {
+        embed(i).await;
     }
-    // Equal loads rotate: both got some.
+    // Equal loads are ties, broken at random: both got some.
     assert!(a.hits() > 0 && b.hits() > 0, "{} {}", a.hits(), b.hits());
+    // The core's exclusions hold for embeddings too: a drained backend gets none.
+    let name = a.base.trim_start_matches("http://").to_string();
+    let drain = c
+        .post(gw.url(&format!("/admin/drain/{name}")))
+        .header("authorization", "Bearer t")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(drain.status(), 200);
+    let before = a.hits();
+    for i in 0..8 {
+        embed(100 + i).await;
+    }
+    assert_eq!(a.hits(), before, "a drained backend took embeddings");
     let r = post(
         &c,
         &gw.url("/v1/embeddings"),

@@ -32,5 +32,5 @@ pub use config::{ConfigError, RouterConfig};
 pub use decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan};
 pub use fleet::{EngineMetrics, Health, Instance, InstanceId, InstanceSpec, Role};
 pub use observe::{KvEvent, Observation, ObserveError, Prediction, Usage};
-pub use request::{ChatMessage, Phase, Prompt, RequestId, RouteRequest};
+pub use request::{ChatMessage, Phase, Prompt, RequestId, RequestKind, RouteRequest};
 pub use router::{RouteError, Router};

@@ -64,6 +64,19 @@ pub enum Phase {
     Unified,
 }
 
+/// What a request asks of the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RequestKind {
+    /// Completions and chat: a prefill, then decoding.
+    #[default]
+    Generate,
+    /// Embeddings: one pass over the input and no decoding. Embedding engines keep no prompt
+    /// cache to reuse, so such a request is placed by load alone (no prefix index, never
+    /// split into prefill and decode), with every exclusion of health, role, model and
+    /// saturation as for any other request.
+    Embed,
+}
+
 /// A request as presented to [`crate::Router::route`].
 #[derive(Debug, Clone, Copy)]
 pub struct RouteRequest<'a> {
@@ -84,6 +97,8 @@ pub struct RouteRequest<'a> {
     /// The prompt's token ids, when the caller has them: enables exact matching against
     /// instances that publish KV events.
     pub token_ids: Option<&'a [u32]>,
+    /// Generation or embedding.
+    pub kind: RequestKind,
 }
 
 impl<'a> RouteRequest<'a> {
@@ -98,6 +113,7 @@ impl<'a> RouteRequest<'a> {
             session_id: None,
             phase: Phase::Any,
             token_ids: None,
+            kind: RequestKind::Generate,
         }
     }
 }

@@ -18,7 +18,7 @@ use crate::prefix::{
     chain_seed, tapered_depth, tapered_end, tapered_prompt_block_hashes, BlockMatch, PrefixIndex,
     Slot,
 };
-use crate::request::{Phase, RequestId, RouteRequest};
+use crate::request::{Phase, RequestId, RequestKind, RouteRequest};
 
 /// Why a request could not be routed at all.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -233,7 +233,8 @@ impl Router {
 
         // The prompt's holders first: a shortlist is built around them.
         self.hashes.clear();
-        let uses_index = self.policy.uses_prefix_index();
+        let generates = request.kind == RequestKind::Generate;
+        let uses_index = generates && self.policy.uses_prefix_index();
         if uses_index {
             let seed = chain_seed(request.model, request.adapter, request.cache_salt);
             tapered_prompt_block_hashes(
@@ -302,7 +303,8 @@ impl Router {
                 .iter()
                 .any(|c| c.excluded == Some(Exclusion::Saturated));
         // Split only when there is no instance that does both and the pool has both halves.
-        let disaggregate = request.phase == Phase::Any
+        let disaggregate = generates
+            && request.phase == Phase::Any
             && unified.is_empty()
             && !prefill.is_empty()
             && !decode.is_empty();

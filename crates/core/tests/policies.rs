@@ -123,7 +123,7 @@ fn cost_breaks_a_tie_toward_the_instance_holding_the_prompt() {
     let holder = send(&mut router, 1, &RouteRequest::text("m", first), 0.0);
     finish(&mut router, 1, 0.1);
     for i in 0..50 {
-        let next = format!("{first} and then follow-up number {i}");
+        let next = format!("{first}, and {i}");
         let decision = router.route(&RouteRequest::text("m", &next), 1.0).unwrap();
         let best = &decision.eligible_candidates()[0];
         assert!(best.terms.cached_tokens > 0, "{:?}", best.terms);

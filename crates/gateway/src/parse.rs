@@ -790,6 +790,7 @@ impl ParsedRequest<'_> {
             session_id: self.session_id.as_deref(),
             phase: Phase::Any,
             token_ids: None,
+            kind: Default::default(),
         };
         f(&request)
     }

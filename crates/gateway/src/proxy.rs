@@ -14,12 +14,11 @@ use http::request::Parts;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Request, StatusCode};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
-use switchyard_core::{Decision, Health, InstanceId, Observation, RequestId, RoutePlan};
+use switchyard_core::{Decision, InstanceId, Observation, RequestId, RequestKind, RoutePlan};
 
 use crate::backends::Backend;
 use crate::errors::ApiError;
 use crate::health;
-use crate::models::ModelError;
 use crate::parse::{self, ParsedRequest};
 use crate::state::Gateway;
 use crate::stream::{ObservedBody, RequestGuard};
@@ -163,40 +162,30 @@ fn route_once(
     let now = gw.seconds_at(t0);
     let brain = &mut *guard;
     let mut candidates: Vec<Arc<Backend>> = Vec::with_capacity(max);
-    let (decision, prompt_tokens, upstream_model) = if endpoint == Endpoint::Embeddings {
-        let prompt_tokens = parsed.with_route_request("", None, |r| r.prompt.rendered_len()) / 4;
-        let (ids, upstream_model) = brain.least_loaded(&parsed.model, rid.0)?;
-        candidates.extend(
-            ids.iter()
-                .take(max)
-                .filter_map(|&id| brain.backend(id).cloned()),
-        );
-        (
-            None,
-            u32::try_from(prompt_tokens).unwrap_or(u32::MAX).max(1),
-            upstream_model,
-        )
+    let kind = if endpoint == Endpoint::Embeddings {
+        RequestKind::Embed
     } else {
-        let (decision, upstream_model) = brain.route(parsed, now)?;
-        gw.metrics
-            .decision_seconds
-            .observe(t0.elapsed().as_secs_f64());
-        if decision.eligible == 0 {
-            return Ok(if decision.saturated {
-                RouteStep::Saturated
-            } else {
-                RouteStep::NoBackend
-            });
-        }
-        candidates.extend(
-            decision
-                .ranked_candidates()
-                .take(max)
-                .filter_map(|c| brain.backend(c.instance).cloned()),
-        );
-        let tokens = decision.prompt_tokens;
-        (Some(decision), tokens, upstream_model)
+        RequestKind::Generate
     };
+    let (decision, upstream_model) = brain.route(parsed, kind, now)?;
+    gw.metrics
+        .decision_seconds
+        .observe(t0.elapsed().as_secs_f64());
+    if decision.eligible == 0 {
+        return Ok(if decision.saturated {
+            RouteStep::Saturated
+        } else {
+            RouteStep::NoBackend
+        });
+    }
+    candidates.extend(
+        decision
+            .ranked_candidates()
+            .take(max)
+            .filter_map(|c| brain.backend(c.instance).cloned()),
+    );
+    let prompt_tokens = decision.prompt_tokens;
+    let decision = Some(decision);
     let Some(first) = candidates.first().map(|b| b.id) else {
         return Ok(RouteStep::NoBackend);
     };
@@ -231,37 +220,6 @@ fn route_once(
         now,
     );
     Ok(RouteStep::Go(routed))
-}
-
-impl crate::state::Brain {
-    /// Healthy backends serving the requested model, fewest router-side requests in flight
-    /// first; ties rotate with `salt` so equal loads do not all land on the first backend.
-    /// With the `model` the engine must see when an alias or the single-model fallback applied.
-    pub fn least_loaded(
-        &self,
-        requested: &str,
-        salt: u64,
-    ) -> Result<(Vec<InstanceId>, Option<String>), ModelError> {
-        let resolution = self.resolve(requested)?;
-        let fleet = self.router.fleet();
-        let pool = fleet.serving(&resolution.model);
-        if pool.is_empty() {
-            return Err(ModelError::Unknown(requested.to_string()));
-        }
-        let n = pool.len() as u64;
-        let mut ranked: Vec<(u32, u64, InstanceId)> = pool
-            .iter()
-            .filter_map(|&slot| fleet.by_slot(slot))
-            .filter(|i| i.health == Health::Healthy)
-            .map(|i| {
-                let rotation = (u64::from(i.id.slot) + salt) % n;
-                (i.load.in_flight(), rotation, i.id)
-            })
-            .collect();
-        ranked.sort_unstable_by_key(|&(load, rot, _)| (load, rot));
-        let upstream = resolution.upstream_model().map(str::to_string);
-        Ok((ranked.into_iter().map(|(_, _, id)| id).collect(), upstream))
-    }
 }
 
 /// Routes, waiting in the admission queue while every candidate is saturated.

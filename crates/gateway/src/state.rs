@@ -8,7 +8,9 @@ use std::time::Instant;
 
 use http::HeaderValue;
 use parking_lot::Mutex;
-use switchyard_core::{Decision, InstanceId, Observation, Prediction, RequestId, Router};
+use switchyard_core::{
+    Decision, InstanceId, Observation, Prediction, RequestId, RequestKind, RouteRequest, Router,
+};
 
 use crate::admission::Admission;
 use crate::backends::{Backend, BackendSpec};
@@ -151,6 +153,7 @@ impl Brain {
     pub fn route(
         &mut self,
         parsed: &ParsedRequest<'_>,
+        kind: RequestKind,
         now: f64,
     ) -> Result<(Decision, Option<String>), ModelError> {
         // Fields, not `self.resolve`: the resolution borrows the maps while the router routes.
@@ -168,7 +171,19 @@ impl Brain {
         let router = &mut self.router;
         let decision = parsed
             .with_route_request(&resolution.model, resolution.adapter, |r| {
-                router.route(r, now)
+                // An embedding generates nothing: no decode budget to reserve.
+                let max_tokens = match kind {
+                    RequestKind::Generate => r.max_tokens,
+                    RequestKind::Embed => 0,
+                };
+                router.route(
+                    &RouteRequest {
+                        kind,
+                        max_tokens,
+                        ..*r
+                    },
+                    now,
+                )
             })
             .map_err(|_| ModelError::Unknown(parsed.model.to_string()))?;
         Ok((decision, upstream))
@@ -419,7 +434,9 @@ mod tests {
     fn route(brain: &mut Brain, model: &str) -> Result<Option<String>, ModelError> {
         let body = format!(r#"{{"model":"{model}","prompt":"hi"}}"#);
         let parsed = crate::parse::parse(body.as_bytes(), None).unwrap();
-        brain.route(&parsed, 0.0).map(|(_, upstream)| upstream)
+        brain
+            .route(&parsed, RequestKind::Generate, 0.0)
+            .map(|(_, upstream)| upstream)
     }
 
     #[test]
@@ -434,9 +451,15 @@ mod tests {
             route(&mut b, "other"),
             Err(ModelError::Unknown("other".into()))
         );
-        // Embeddings resolve the same way.
-        let (ids, upstream) = b.least_loaded("gpt-4o", 0).unwrap();
-        assert_eq!((ids.len(), upstream.as_deref()), (1, Some("qwen")));
+        // Embeddings resolve the same way, through the same router.
+        let parsed = crate::parse::parse(br#"{"model":"gpt-4o","input":"x"}"#, None).unwrap();
+        let (decision, upstream) = b.route(&parsed, RequestKind::Embed, 0.0).unwrap();
+        assert_eq!((decision.eligible, upstream.as_deref()), (1, Some("qwen")));
+        // Placed by load: no prefix looked up, nothing to decode.
+        let best = decision.eligible_candidates()[0].instance;
+        let plan = decision.plan_for(best);
+        assert!(plan.block_hashes.is_empty());
+        assert_eq!(plan.max_tokens, 0);
     }
 
     #[test]

@@ -399,6 +399,7 @@ impl Sim {
             session_id: request.session_id.as_deref(),
             phase: Phase::Any,
             token_ids: None,
+            kind: Default::default(),
         };
         let router = &mut self.routers[replica as usize];
         let decision = match router.route(&route, now) {

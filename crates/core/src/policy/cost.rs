@@ -363,8 +363,9 @@ impl Policy for CostPolicy {
 /// the best gets the best score plus a tiny random offset, so the ranking picks one of them at
 /// random instead of always the first (no herding onto one instance). Within the tie, the
 /// candidates expected to hold most of the prompt go first: at the same estimated TTFT, the
-/// others would store a second copy of the prefix and evict something of their own for it.
-/// A holder only wins a tie, so a hot prefix still spreads once its holders' wait grows.
+/// others would store a second copy of the prefix and evict something of their own for it
+/// (when the match is a full index block or most of the prompt). A holder only wins a tie, so
+/// a hot prefix still spreads once its holders' wait grows.
 fn near_ties_to_random(ctx: &ScoringContext<'_>, candidates: &mut [Candidate], rng: &mut SmallRng) {
     use rand::Rng;
     let cost = &ctx.config.cost;
@@ -384,6 +385,14 @@ fn near_ties_to_random(ctx: &ScoringContext<'_>, candidates: &mut [Candidate], r
         .map(|c| c.terms.cached_tokens)
         .max()
         .unwrap_or(0);
+    // Only a match the index can vouch for: a full index block, or most of a short prompt. A
+    // few shared bytes (a chat template's opening) would otherwise send every idle request to
+    // whichever instance served the first one.
+    let matched_bytes = f64::from(most_cached) * ctx.bytes_per_token;
+    let prompt_bytes = f64::from(ctx.prompt_tokens) * ctx.bytes_per_token;
+    let significant =
+        matched_bytes >= (ctx.config.index.block_bytes as f64).min(prompt_bytes / 2.0);
+    let most_cached = if significant { most_cached } else { 0 };
     for c in candidates.iter_mut().filter(|c| tied(c)) {
         // The offsets are far below any real difference and keep the tied group ahead of the
         // rest; holders of less of the prompt rank after the best holders.
