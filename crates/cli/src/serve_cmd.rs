@@ -82,6 +82,10 @@ pub struct ServeArgs {
     /// Seconds to wait for a backend's response headers (504 after).
     #[arg(long, default_value = "600", value_parser = parse_secs)]
     pub upstream_timeout: Duration,
+    /// Seconds a backend may send nothing mid-body (between chunks, or before the first one
+    /// after the headers) before the gateway ends the stream with an error event (0: never).
+    #[arg(long, default_value = "120", value_parser = parse_secs)]
+    pub stream_idle_timeout: Duration,
     /// Seconds between engine metrics scrapes.
     #[arg(long, default_value = "0.5", value_parser = parse_secs)]
     pub scrape_interval: Duration,
@@ -293,6 +297,7 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
         max_retries: args.max_retries,
         connect_timeout: args.connect_timeout,
         upstream_timeout: args.upstream_timeout,
+        stream_idle_timeout: args.stream_idle_timeout,
         scrape_interval: args.scrape_interval,
         health_interval: args.health_interval,
         probe_timeout: args.probe_timeout,

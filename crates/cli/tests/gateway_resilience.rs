@@ -469,6 +469,62 @@ async fn embeddings_are_routed_by_load() {
 }
 
 #[tokio::test]
+async fn a_stalled_stream_is_ended_with_an_error_event() {
+    // Headers and one token at once, then silence: the client must not wait forever.
+    let fake = FakeEngine::start(Fake::StallMidStream).await;
+    let gw = gateway(&[
+        "--backend",
+        &fake.backend(),
+        "--max-retries",
+        "0",
+        "--stream-idle-timeout",
+        "0.5",
+    ]);
+    let c = client();
+    let body = json!({"model": MODEL, "prompt": "stall", "max_tokens": 5, "stream": true});
+    let started = Instant::now();
+    let r = c
+        .post(gw.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let text = tokio::time::timeout(Duration::from_secs(20), r.text())
+        .await
+        .expect("the stream ends")
+        .expect("body");
+    assert!(started.elapsed() >= Duration::from_millis(400));
+    // The token, then the error event; no `[DONE]`: the answer is not complete.
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .collect();
+    assert_eq!(events.len(), 2, "{text}");
+    let last: serde_json::Value =
+        serde_json::from_str(events[1].trim_start_matches("data: ")).expect("JSON event");
+    assert_eq!(last["error"]["code"], "stream_stalled");
+    assert_eq!(last["error"]["type"], "server_error");
+    let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+    assert_eq!(
+        metric_sum(
+            &m,
+            "switchyard_requests_total",
+            &["outcome=\"stream_stalled\""]
+        ),
+        1.0
+    );
+    // The router saw it end: nothing stays in flight.
+    let idle = poll(Duration::from_secs(5), || async {
+        let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+        (metric_sum(&m, "switchyard_backend_in_flight", &[]) == 0.0).then_some(())
+    })
+    .await;
+    assert!(idle.is_some());
+}
+
+#[tokio::test]
 async fn a_stream_is_settled_at_done_even_if_the_client_leaves_at_once() {
     // Clients stop reading at `data: [DONE]` and close; the engine's body may end later (or,
     // here, never). The request is complete at `[DONE]`: counted ok, not cancelled.

@@ -30,6 +30,8 @@ pub struct Settings {
     pub connect_timeout: Duration,
     /// Time allowed for a backend's response headers (504 after).
     pub upstream_timeout: Duration,
+    /// Longest silence of a backend mid-body before the gateway ends it (zero: never).
+    pub stream_idle_timeout: Duration,
     /// Engine metrics scrape period.
     pub scrape_interval: Duration,
     /// Active health check period.
@@ -78,6 +80,7 @@ impl Default for Settings {
             max_retries: 2,
             connect_timeout: Duration::from_secs(2),
             upstream_timeout: Duration::from_secs(600),
+            stream_idle_timeout: Duration::from_secs(120),
             scrape_interval: Duration::from_millis(500),
             health_interval: Duration::from_secs(2),
             probe_timeout: Duration::from_secs(2),

@@ -85,6 +85,8 @@ pub mod outcome {
     pub const CANCELLED: &str = "cancelled";
     /// The engine did not answer in time (504).
     pub const TIMEOUT: &str = "timeout";
+    /// The engine stopped sending mid-body for `--stream-idle-timeout`; the gateway ended it.
+    pub const STREAM_STALLED: &str = "stream_stalled";
 }
 
 /// All metric handles.
@@ -135,6 +137,8 @@ pub struct BackendMetrics {
     pub cancelled: Counter,
     /// Upstream timeouts.
     pub timeout: Counter,
+    /// Bodies ended after the engine went silent.
+    pub stream_stalled: Counter,
     /// Time to first body byte.
     pub ttft: Histogram,
     /// Time to the end of the body.
@@ -169,6 +173,7 @@ impl BackendMetrics {
             stream_error: Counter::default(),
             cancelled: Counter::default(),
             timeout: Counter::default(),
+            stream_stalled: Counter::default(),
             ttft: latency_histogram(),
             e2e: latency_histogram(),
             predicted_cached: Counter::default(),
@@ -357,6 +362,9 @@ impl Metrics {
             stream_error: self.requests.get_or_create_owned(&o(outcome::STREAM_ERROR)),
             cancelled: self.requests.get_or_create_owned(&o(outcome::CANCELLED)),
             timeout: self.requests.get_or_create_owned(&o(outcome::TIMEOUT)),
+            stream_stalled: self
+                .requests
+                .get_or_create_owned(&o(outcome::STREAM_STALLED)),
             ttft: self.ttft.get_or_create_owned(&b()),
             e2e: self.e2e.get_or_create_owned(&b()),
             predicted_cached: self.predicted_cached.get_or_create_owned(&b()),

@@ -547,6 +547,7 @@ pub(crate) fn respond(
         }
         let predicted = routed.predicted_cached(backend.id);
         ObservedBody::tracked(incoming, guard, started, sse, strip_usage && sse, predicted)
+            .with_idle_timeout(gw.settings.stream_idle_timeout)
     } else {
         // The engine answered: an error is the client's to see, never held against health
         // (4xx), and the request is over as far as the router is concerned.
@@ -558,6 +559,7 @@ pub(crate) fn respond(
         }
         guard.fail();
         ObservedBody::passthrough(incoming, guard)
+            .with_idle_timeout(gw.settings.stream_idle_timeout)
     };
     parts.headers.retain_hop_by_hop();
     parts.headers.insert(REQUEST_ID.clone(), request_id.clone());

@@ -2,6 +2,7 @@
 //! for the first byte (⇒ `FirstToken`) and the engine's final `usage` (⇒ `Finished`), and for
 //! a client that goes away (⇒ `Failed`, and the upstream request is dropped, which cancels it).
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -390,6 +391,8 @@ impl Drop for Track {
 /// The body passed to the client.
 pub struct ObservedBody {
     inner: UpstreamBody,
+    /// Ends a stream the engine stopped feeding (see [`ObservedBody::with_idle_timeout`]).
+    idle: Option<IdleTimer>,
     track: Option<Track>,
     /// Keeps the backend's in-flight count for bodies that are not tracked (errors).
     _guard: Option<RequestGuard>,
@@ -417,6 +420,7 @@ impl ObservedBody {
         };
         ObservedBody {
             inner,
+            idle: None,
             track: Some(Track {
                 guard,
                 started,
@@ -434,11 +438,89 @@ impl ObservedBody {
     pub fn passthrough(inner: UpstreamBody, guard: RequestGuard) -> Self {
         ObservedBody {
             inner,
+            idle: None,
             track: None,
             _guard: Some(guard),
             done: false,
         }
     }
+
+    /// Ends the body when the engine sends nothing for `after` (zero: never). A stream gets an
+    /// SSE error event first (`stream_stalled`), so the client knows the answer is cut short;
+    /// a JSON body just ends. Counted as `stream_stalled` and reported to the router as failed.
+    pub fn with_idle_timeout(mut self, after: std::time::Duration) -> Self {
+        if !after.is_zero() {
+            self.idle = Some(IdleTimer {
+                after,
+                last: tokio::time::Instant::now(),
+                sleep: None,
+            });
+        }
+        self
+    }
+
+    /// The engine went silent: settle the request as failed and give the client the end.
+    fn stalled(&mut self, after: std::time::Duration) -> Option<Bytes> {
+        self.done = true;
+        let track = self.track.as_mut()?;
+        track.guard.backend.metrics.stream_stalled.inc();
+        track.guard.fail();
+        tracing::warn!(
+            backend = track.guard.backend.name(),
+            "stream ended: the backend sent nothing for {} s",
+            after.as_secs_f64()
+        );
+        match track.scan {
+            Scan::Sse(_) => Some(stalled_event(after)),
+            Scan::Json { .. } => None,
+        }
+    }
+}
+
+/// When the engine last sent something, and the timer that fires `after` it.
+struct IdleTimer {
+    after: std::time::Duration,
+    last: tokio::time::Instant,
+    /// Armed the first time the engine keeps the body waiting (a body that arrives whole
+    /// never registers a timer).
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl IdleTimer {
+    /// Whether the engine has been silent for `after`; re-arms the timer otherwise. The timer
+    /// is only reset when it fires, not on every chunk: a chunk costs one clock read.
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        let due = self.last + self.after;
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
+        loop {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            let due = self.last + self.after;
+            if tokio::time::Instant::now() >= due {
+                return true;
+            }
+            sleep.as_mut().reset(due);
+        }
+    }
+}
+
+/// The SSE event that ends a stalled stream, in OpenAI's error shape.
+fn stalled_event(after: std::time::Duration) -> Bytes {
+    let body = serde_json::json!({
+        "error": {
+            "message": format!(
+                "The backend sent nothing for {} s; the stream was ended.",
+                after.as_secs_f64()
+            ),
+            "type": "server_error",
+            "param": null,
+            "code": "stream_stalled",
+        }
+    });
+    Bytes::from(format!("data: {body}\n\n"))
 }
 
 impl Body for ObservedBody {
@@ -455,8 +537,20 @@ impl Body for ObservedBody {
         }
         loop {
             match Pin::new(&mut this.inner).poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    let Some(idle) = this.idle.as_mut() else {
+                        return Poll::Pending;
+                    };
+                    if !idle.expired(cx) {
+                        return Poll::Pending;
+                    }
+                    let after = idle.after;
+                    return Poll::Ready(this.stalled(after).map(|b| Ok(Frame::data(b))));
+                }
                 Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(idle) = this.idle.as_mut() {
+                        idle.last = tokio::time::Instant::now();
+                    }
                     let Some(track) = this.track.as_mut() else {
                         return Poll::Ready(Some(Ok(frame)));
                     };

@@ -353,6 +353,8 @@ pub enum Fake {
     /// Generation requests get a streamed answer that ends in `data: [DONE]` with usage, and the
     /// body is then never terminated (the connection is held open).
     DoneThenHold,
+    /// Generation requests get stream headers and one token, then nothing ever again.
+    StallMidStream,
 }
 
 /// A fake engine on an ephemeral port; counts the generation requests it saw.
@@ -477,6 +479,17 @@ impl FakeEngine {
                                     return;
                                 }
                                 // No terminating chunk: the body never ends.
+                                std::future::pending::<()>().await;
+                                return;
+                            }
+                            (Fake::StallMidStream, false) => {
+                                let event =
+                                    "data: {\"choices\":[{\"index\":0,\"text\":\"x\"}]}\n\n";
+                                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+                                let chunk = format!("{head}{:x}\r\n{event}\r\n", event.len());
+                                if s.write_all(chunk.as_bytes()).await.is_err() {
+                                    return;
+                                }
                                 std::future::pending::<()>().await;
                                 return;
                             }
