@@ -73,6 +73,10 @@ pub struct ServeArgs {
     /// Largest accepted request body in bytes (413 above).
     #[arg(long, default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Largest request headers (all lines, bytes) forwarded to an engine; larger get 431.
+    /// The default is what uvicorn (vLLM's and SGLang's server) accepts; 0: no limit.
+    #[arg(long, default_value_t = 16 * 1024)]
+    pub max_header_bytes: usize,
     /// Further candidates tried when an attempt fails before its first byte.
     #[arg(long, default_value_t = 2)]
     pub max_retries: u32,
@@ -294,6 +298,7 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
         backends,
         fleet_file: args.fleet_file.clone(),
         max_body_bytes: args.max_body_bytes,
+        max_header_bytes: args.max_header_bytes,
         max_retries: args.max_retries,
         connect_timeout: args.connect_timeout,
         upstream_timeout: args.upstream_timeout,

@@ -469,6 +469,54 @@ async fn embeddings_are_routed_by_load() {
 }
 
 #[tokio::test]
+async fn a_request_that_fails_on_every_engine_ejects_none() {
+    // Both engines drop this request's connection (as engines do with requests they cannot
+    // read): that is the request, not the engines, so however often a client sends it, neither
+    // is ejected.
+    let one = FakeEngine::start(Fake::Drop).await;
+    let two = FakeEngine::start(Fake::Drop).await;
+    let gw = gateway(&[
+        "--backend",
+        &one.backend(),
+        "--backend",
+        &two.backend(),
+        "--max-retries",
+        "1",
+        "--eject-after",
+        "2",
+    ]);
+    let c = client();
+    for i in 0..5 {
+        let r = post(
+            &c,
+            &gw.url("/v1/completions"),
+            &json!({"model": MODEL, "prompt": format!("poison {i}"), "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(r.status, 502, "{}", r.text);
+    }
+    // Each request tried both (each on a fresh connection too: a closed pooled one is retried).
+    let tried = one.hits() + two.hits();
+    assert_eq!(tried, 20, "every request tried both");
+    let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+    assert_eq!(metric_sum(&m, "switchyard_backend_healthy", &[]), 2.0);
+    assert_eq!(metric_sum(&m, "switchyard_request_blamed_total", &[]), 5.0);
+
+    // Headers larger than engines accept never leave the gateway.
+    let big = "x".repeat(20_000);
+    let r = post_with(
+        &c,
+        &gw.url("/v1/completions"),
+        &json!({"model": MODEL, "prompt": "hi", "max_tokens": 1}),
+        &[("x-padding", big.as_str())],
+    )
+    .await;
+    assert_eq!(r.status, 431, "{}", r.text);
+    assert_eq!(r.json()["error"]["code"], "headers_too_large");
+    assert_eq!(one.hits() + two.hits(), tried);
+}
+
+#[tokio::test]
 async fn a_stalled_stream_is_ended_with_an_error_event() {
     // Headers and one token at once, then silence: the client must not wait forever.
     let fake = FakeEngine::start(Fake::StallMidStream).await;

@@ -24,6 +24,8 @@ pub struct Settings {
     pub fleet_file: Option<PathBuf>,
     /// Largest accepted request body (413 above).
     pub max_body_bytes: usize,
+    /// Largest request headers forwarded (431 above; 0: no limit).
+    pub max_header_bytes: usize,
     /// Further candidates tried after a failed attempt.
     pub max_retries: u32,
     /// TCP connect timeout to a backend.
@@ -77,6 +79,8 @@ impl Default for Settings {
             backends: Vec::new(),
             fleet_file: None,
             max_body_bytes: 16 * 1024 * 1024,
+            // What uvicorn (vLLM's and SGLang's server) accepts by default (h11's limit).
+            max_header_bytes: 16 * 1024,
             max_retries: 2,
             connect_timeout: Duration::from_secs(2),
             upstream_timeout: Duration::from_secs(600),

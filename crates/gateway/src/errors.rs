@@ -146,6 +146,17 @@ impl ApiError {
         )
     }
 
+    /// 431: the request's headers are larger than engines accept; forwarding them would get
+    /// the connection closed by the engine, which looks like the engine failing.
+    pub fn headers_too_large(limit: usize) -> Self {
+        Self::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "invalid_request_error",
+            "headers_too_large",
+            format!("The request headers are larger than {limit} bytes."),
+        )
+    }
+
     /// 401: missing or wrong API key.
     pub fn unauthorized() -> Self {
         Self::new(

@@ -96,6 +96,8 @@ pub struct Metrics {
     attempts: Family<ResultLabels, Counter>,
     /// Requests sent to another candidate after a failed attempt.
     pub retries: Counter,
+    /// Requests that failed the same way on every candidate, not held against their health.
+    pub request_blamed: Counter,
     /// Time spent in `Router::route`.
     pub decision_seconds: Histogram,
     /// Observed ÷ estimated TTFT of each routed request (`cost` only): 1 is a perfect estimate.
@@ -217,6 +219,12 @@ impl Metrics {
             "Attempts moved to the next candidate after a failure",
             retries.clone(),
         );
+        let request_blamed = Counter::default();
+        registry.register(
+            "switchyard_request_blamed",
+            "Requests that failed the same way on every candidate (the request, not the engines: not held against their health)",
+            request_blamed.clone(),
+        );
         let decision_seconds = Histogram::new(exponential_buckets(1e-6, 2.0, 16));
         registry.register(
             "switchyard_decision_seconds",
@@ -325,6 +333,7 @@ impl Metrics {
             requests,
             attempts,
             retries,
+            request_blamed,
             decision_seconds,
             ttft_prediction_ratio,
             cached_prediction_error,
@@ -391,6 +400,7 @@ impl Metrics {
             outcome::STREAM_ERROR,
             outcome::CANCELLED,
             outcome::TIMEOUT,
+            outcome::STREAM_STALLED,
         ] {
             self.requests.remove(&OutcomeLabels {
                 backend: name.to_string(),

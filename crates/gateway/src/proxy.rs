@@ -76,6 +76,14 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
+/// Bytes the request's headers take on the wire, roughly (`name: value\r\n` each).
+fn header_bytes(headers: &HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum()
+}
+
 async fn read_body<B>(body: B, limit: usize, headers: &HeaderMap) -> Result<Bytes, ApiError>
 where
     B: http_body::Body<Data = Bytes>,
@@ -337,6 +345,10 @@ where
     if !authorised(&gw, &parts.headers) {
         return reject(&gw, ApiError::unauthorized(), &request_id);
     }
+    let limit = gw.settings.max_header_bytes;
+    if limit > 0 && header_bytes(&parts.headers) > limit {
+        return reject(&gw, ApiError::headers_too_large(limit), &request_id);
+    }
     let bytes = match read_body(body, gw.settings.max_body_bytes, &parts.headers).await {
         Ok(b) => b,
         Err(e) => return reject(&gw, e, &request_id),
@@ -418,6 +430,9 @@ pub(crate) async fn attempt(
     let last = routed.candidates.len().saturating_sub(1);
     let mut all_unreachable = true;
     let mut last_error = String::new();
+    // Failures are held against an engine's health once the outcome shows they were the
+    // engine's: see `blame`.
+    let mut failed: Vec<(&Arc<Backend>, Blame)> = Vec::new();
     for (i, backend) in routed.candidates.iter().enumerate() {
         if i > 0 {
             gw.metrics.retries.inc();
@@ -440,6 +455,7 @@ pub(crate) async fn attempt(
             .await;
             let response = match sent {
                 Err(_) => {
+                    blame(gw, &failed, false);
                     backend.metrics.timeout.inc();
                     let secs = gw.settings.upstream_timeout.as_secs_f64();
                     return Err(ApiError::upstream_timeout(secs));
@@ -463,14 +479,14 @@ pub(crate) async fn attempt(
                     tracing::warn!(backend = backend.name(), "upstream attempt failed: {e}");
                     last_error = format!("{}: {e}", backend.name());
                     all_unreachable &= failure != Failure::Closed;
-                    health::record_failure(gw, backend, failure == Failure::Refused);
+                    failed.push((backend, Blame::Connection(failure)));
                     break;
                 }
             };
             let status = response.status();
             let retryable = status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS;
             if status.is_server_error() {
-                health::record_failure(gw, backend, false);
+                failed.push((backend, Blame::Status(status)));
             }
             if retryable && i < last {
                 gw.metrics.upstream_failure(
@@ -484,10 +500,13 @@ pub(crate) async fn attempt(
                 tracing::debug!(backend = backend.name(), %status, "retrying on the next candidate");
                 break;
             }
+            // A 5xx passed on is no answer either.
+            blame(gw, &failed, !status.is_server_error());
             return Ok((guard, response));
         }
         guard.fail();
     }
+    blame(gw, &failed, false);
     if all_unreachable {
         let model = routed
             .candidates
@@ -497,6 +516,39 @@ pub(crate) async fn attempt(
         return Err(ApiError::no_backend(&model));
     }
     Err(ApiError::bad_gateway(last_error))
+}
+
+/// How an attempt failed, for the health decision.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Blame {
+    /// No answer: refused, could not connect, or closed before a response.
+    Connection(Failure),
+    /// A 5xx answer.
+    Status(StatusCode),
+}
+
+/// Holds the failed attempts of one request against the engines' health, unless the request
+/// itself is the likelier cause: when it failed the same way on two or more candidates and
+/// none answered (an oversized or malformed request that every engine drops), counting it
+/// would let one client get healthy engines ejected for everyone. A refused connection is
+/// always the engine's (nothing listens), and a request another candidate served shows the
+/// failures were the engines'.
+fn blame(gw: &Gateway, failed: &[(&Arc<Backend>, Blame)], served: bool) {
+    let same_everywhere = !served
+        && failed.len() >= 2
+        && failed.iter().all(|(_, b)| *b == failed[0].1)
+        && failed[0].1 != Blame::Connection(Failure::Refused);
+    if same_everywhere {
+        tracing::info!(
+            candidates = failed.len(),
+            "the request failed the same way on every candidate: not held against their health"
+        );
+        gw.metrics.request_blamed.inc();
+        return;
+    }
+    for (backend, b) in failed {
+        health::record_failure(gw, backend, *b == Blame::Connection(Failure::Refused));
+    }
 }
 
 /// Sends to the candidates and streams the answer back.
