@@ -77,6 +77,17 @@ pub struct ServeArgs {
     /// The default is what uvicorn (vLLM's and SGLang's server) accepts; 0: no limit.
     #[arg(long, default_value_t = 16 * 1024)]
     pub max_header_bytes: usize,
+    /// Seconds a client has to send a request's headers, from the connection's start (slow or
+    /// idle clients are disconnected; 0: no limit).
+    #[arg(long, default_value = "30", value_parser = parse_secs)]
+    pub header_read_timeout: Duration,
+    /// Seconds a client has to send a request's body once its headers are in (408 after).
+    #[arg(long, default_value = "60", value_parser = parse_secs)]
+    pub body_read_timeout: Duration,
+    /// Client connections open at once; more are answered 503 `too_many_connections` and
+    /// closed (0: no limit).
+    #[arg(long, default_value_t = 4096)]
+    pub max_connections: usize,
     /// Further candidates tried when an attempt fails before its first byte.
     #[arg(long, default_value_t = 2)]
     pub max_retries: u32,
@@ -299,6 +310,9 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
         fleet_file: args.fleet_file.clone(),
         max_body_bytes: args.max_body_bytes,
         max_header_bytes: args.max_header_bytes,
+        header_read_timeout: args.header_read_timeout,
+        body_read_timeout: args.body_read_timeout,
+        max_connections: args.max_connections,
         max_retries: args.max_retries,
         connect_timeout: args.connect_timeout,
         upstream_timeout: args.upstream_timeout,

@@ -516,6 +516,94 @@ async fn a_request_that_fails_on_every_engine_ejects_none() {
     assert_eq!(one.hits() + two.hits(), tried);
 }
 
+/// Reads what the server sends until it closes the connection (or `limit` passes).
+async fn read_until_closed(stream: &mut tokio::net::TcpStream, limit: Duration) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    let read = async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(limit, read).await.ok()?;
+    Some(String::from_utf8_lossy(&out).into_owned())
+}
+
+#[tokio::test]
+async fn slow_idle_and_surplus_clients_are_cut_off() {
+    use tokio::io::AsyncWriteExt;
+    let e = engine(&[]);
+    let gw = gateway(&[
+        "--backend",
+        &backend(&e),
+        "--header-read-timeout",
+        "0.5",
+        "--body-read-timeout",
+        "0.5",
+    ]);
+    let addr = gw.base.trim_start_matches("http://").to_string();
+    let connect = || tokio::net::TcpStream::connect(addr.clone());
+    // A client that connects and sends nothing is disconnected.
+    let mut idle = connect().await.unwrap();
+    assert!(
+        read_until_closed(&mut idle, Duration::from_secs(10))
+            .await
+            .is_some(),
+        "an idle connection is held"
+    );
+    // So is one that sends half its headers.
+    let mut half = connect().await.unwrap();
+    half.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+        .await
+        .unwrap();
+    assert!(
+        read_until_closed(&mut half, Duration::from_secs(10))
+            .await
+            .is_some(),
+        "half-sent headers are held"
+    );
+    // One that sends its headers but only part of the body gets 408 in OpenAI's shape.
+    let mut slow = connect().await.unwrap();
+    slow.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\"",
+    )
+    .await
+    .unwrap();
+    let answer = read_until_closed(&mut slow, Duration::from_secs(10))
+        .await
+        .expect("a half-sent body is held");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"body_timeout\""), "{answer}");
+
+    // At the cap, a further connection is told so and closed (a gateway whose idle clients
+    // are not cut off first).
+    let gw = gateway(&["--backend", &backend(&e), "--max-connections", "3"]);
+    let addr = gw.base.trim_start_matches("http://").to_string();
+    let connect = || tokio::net::TcpStream::connect(addr.clone());
+    let _held: Vec<_> = futures_util::future::join_all((0..3).map(|_| connect()))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    // The three are counted once the gateway accepted them: poll until the fourth is refused.
+    let refused = poll(Duration::from_secs(10), || async {
+        let mut extra = connect().await.ok()?;
+        let answer = read_until_closed(&mut extra, Duration::from_secs(2)).await?;
+        answer.starts_with("HTTP/1.1 503").then_some(answer)
+    })
+    .await
+    .expect("a connection over the cap is refused");
+    assert!(refused.contains("\"too_many_connections\""), "{refused}");
+    assert!(
+        refused.to_ascii_lowercase().contains("connection: close"),
+        "{refused}"
+    );
+}
+
 #[tokio::test]
 async fn a_stalled_stream_is_ended_with_an_error_event() {
     // Headers and one token at once, then silence: the client must not wait forever.

@@ -26,6 +26,13 @@ pub struct Settings {
     pub max_body_bytes: usize,
     /// Largest request headers forwarded (431 above; 0: no limit).
     pub max_header_bytes: usize,
+    /// Time a client has to send a request's headers, counted from the connection's start (0:
+    /// no limit).
+    pub header_read_timeout: Duration,
+    /// Time a client has to send a request's body once its headers are in (408 after).
+    pub body_read_timeout: Duration,
+    /// Client connections open at once; more are answered 503 and closed (0: no limit).
+    pub max_connections: usize,
     /// Further candidates tried after a failed attempt.
     pub max_retries: u32,
     /// TCP connect timeout to a backend.
@@ -81,6 +88,9 @@ impl Default for Settings {
             max_body_bytes: 16 * 1024 * 1024,
             // What uvicorn (vLLM's and SGLang's server) accepts by default (h11's limit).
             max_header_bytes: 16 * 1024,
+            header_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(60),
+            max_connections: 4096,
             max_retries: 2,
             connect_timeout: Duration::from_secs(2),
             upstream_timeout: Duration::from_secs(600),

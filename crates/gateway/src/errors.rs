@@ -190,6 +190,29 @@ impl ApiError {
         }
     }
 
+    /// 503: more client connections are open than `--max-connections` allows.
+    pub fn too_many_connections() -> Self {
+        ApiError {
+            retry_after: Some(1),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "too_many_connections",
+                "The gateway has too many open connections; retry later.".into(),
+            )
+        }
+    }
+
+    /// 408: the request body did not arrive in time.
+    pub fn body_timeout(secs: f64) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "body_timeout",
+            format!("The request body did not arrive within {secs} s."),
+        )
+    }
+
     /// 503: the gateway is shutting down.
     pub fn shutting_down() -> Self {
         Self::new(
@@ -290,7 +313,9 @@ impl IntoResponse for ApiError {
         if let Some(secs) = self.retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
-        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+        if self.status == StatusCode::PAYLOAD_TOO_LARGE
+            || self.status == StatusCode::REQUEST_TIMEOUT
+        {
             // The rest of the body was never read, so the connection cannot carry
             // another request: say so, or a client reuses it and loses its next one.
             headers.insert(header::CONNECTION, HeaderValue::from_static("close"));

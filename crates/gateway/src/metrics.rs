@@ -98,6 +98,8 @@ pub struct Metrics {
     pub retries: Counter,
     /// Requests that failed the same way on every candidate, not held against their health.
     pub request_blamed: Counter,
+    /// Client connections answered 503 and closed at the `--max-connections` cap.
+    pub connections_refused: Counter,
     /// Time spent in `Router::route`.
     pub decision_seconds: Histogram,
     /// Observed ÷ estimated TTFT of each routed request (`cost` only): 1 is a perfect estimate.
@@ -225,6 +227,12 @@ impl Metrics {
             "Requests that failed the same way on every candidate (the request, not the engines: not held against their health)",
             request_blamed.clone(),
         );
+        let connections_refused = Counter::default();
+        registry.register(
+            "switchyard_connections_refused",
+            "Client connections answered 503 and closed because --max-connections were open",
+            connections_refused.clone(),
+        );
         let decision_seconds = Histogram::new(exponential_buckets(1e-6, 2.0, 16));
         registry.register(
             "switchyard_decision_seconds",
@@ -334,6 +342,7 @@ impl Metrics {
             attempts,
             retries,
             request_blamed,
+            connections_refused,
             decision_seconds,
             ttft_prediction_ratio,
             cached_prediction_error,

@@ -4,7 +4,7 @@
 //! comes.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
@@ -349,9 +349,18 @@ where
     if limit > 0 && header_bytes(&parts.headers) > limit {
         return reject(&gw, ApiError::headers_too_large(limit), &request_id);
     }
-    let bytes = match read_body(body, gw.settings.max_body_bytes, &parts.headers).await {
-        Ok(b) => b,
-        Err(e) => return reject(&gw, e, &request_id),
+    let read = read_body(body, gw.settings.max_body_bytes, &parts.headers);
+    // Zero: no limit (a century stands in for it; `Duration::MAX` would overflow the clock).
+    let body_timeout = Some(gw.settings.body_read_timeout)
+        .filter(|d| !d.is_zero())
+        .unwrap_or(Duration::from_secs(100 * 365 * 24 * 3600));
+    let bytes = match tokio::time::timeout(body_timeout, read).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => return reject(&gw, e, &request_id),
+        Err(_) => {
+            let secs = gw.settings.body_read_timeout.as_secs_f64();
+            return reject(&gw, ApiError::body_timeout(secs), &request_id);
+        }
     };
     let session = parts.headers.get(&SESSION_ID).and_then(|v| v.to_str().ok());
     let parsed = match parse::parse(&bytes, session) {

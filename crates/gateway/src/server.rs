@@ -4,6 +4,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use serde_json::json;
 use tokio::net::{TcpListener, TcpStream};
@@ -80,6 +81,7 @@ pub async fn serve(
     });
     // Every connection task holds a receiver: all dropped = all connections done.
     let (close_tx, close_rx) = watch::channel(());
+    let open = Arc::new(AtomicUsize::new(0));
     loop {
         let stream = tokio::select! {
             stream = accept(&listener) => stream,
@@ -88,6 +90,15 @@ pub async fn serve(
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!("set_nodelay: {e}");
         }
+        let Some(slot) = ConnectionSlot::take(&open, gw.settings.max_connections) else {
+            // Past the cap: a clear answer and the door closed, not a silent hang while the
+            // process runs out of file descriptors.
+            gw.metrics.connections_refused.inc();
+            tokio::spawn(refuse_connection(stream));
+            continue;
+        };
+        let gw_settings_header_timeout =
+            Some(gw.settings.header_read_timeout).filter(|d| !d.is_zero());
         let gw = gw.clone();
         let router = router.clone();
         let signal_tx = signal_tx.clone();
@@ -106,7 +117,10 @@ pub async fn serve(
                     })
                 }
             });
+            let header_timeout = gw_settings_header_timeout;
             let connection = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
                 .serve_connection(TokioIo::new(stream), service)
                 .with_upgrades();
             let mut connection = pin!(connection);
@@ -127,12 +141,51 @@ pub async fn serve(
                 }
             }
             drop(close_rx);
+            drop(slot);
         });
     }
     drop(close_rx);
     drop(listener);
     close_tx.closed().await;
     Ok(())
+}
+
+/// One open client connection, counted against `--max-connections` until dropped.
+struct ConnectionSlot(Arc<AtomicUsize>);
+
+impl ConnectionSlot {
+    fn take(open: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
+        let before = open.fetch_add(1, Ordering::AcqRel);
+        if max > 0 && before >= max {
+            open.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(ConnectionSlot(open.clone()))
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Answers a connection over the cap with 503 `too_many_connections` and closes it, without
+/// reading its request (at most a second is spent on it).
+async fn refuse_connection(mut stream: TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = ApiError::too_many_connections().body();
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let write = async {
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(&body).await?;
+        stream.shutdown().await
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
 }
 
 /// The next connection; errors that concern one connection are skipped, others (out of file
