@@ -107,11 +107,11 @@ where
 pub(crate) struct Routed {
     /// The router's id of the request.
     pub(crate) rid: RequestId,
-    /// The decision (none for load-only routing).
+    /// The decision (none for one leg of a disaggregated pair, routed already).
     pub(crate) decision: Option<Decision>,
     /// Candidates to try, in order (the first already observed as `Routed`).
     pub(crate) candidates: Vec<Arc<Backend>>,
-    /// Estimated prompt tokens (for the load-only plan of embeddings).
+    /// Estimated prompt tokens (the plan of a request without a decision).
     pub(crate) prompt_tokens: u32,
     /// The decision explained, for the debug header.
     pub(crate) explain: Option<String>,
@@ -192,27 +192,20 @@ fn route_once(
             .take(max)
             .filter_map(|c| brain.backend(c.instance).cloned()),
     );
-    let prompt_tokens = decision.prompt_tokens;
-    let decision = Some(decision);
     let Some(first) = candidates.first().map(|b| b.id) else {
         return Ok(RouteStep::NoBackend);
     };
-    let explain = gw
-        .settings
-        .debug_header
-        .then(|| {
-            decision.as_ref().map(|d| {
-                d.explain_with(3, |id| {
-                    brain
-                        .backend(id)
-                        .map_or_else(|| "?".to_string(), |b| b.name().to_string())
-                })
-            })
+    let explain = gw.settings.debug_header.then(|| {
+        decision.explain_with(3, |id| {
+            brain
+                .backend(id)
+                .map_or_else(|| "?".to_string(), |b| b.name().to_string())
         })
-        .flatten();
+    });
+    let prompt_tokens = decision.prompt_tokens;
     let routed = Routed {
         rid,
-        decision,
+        decision: Some(decision),
         candidates,
         prompt_tokens,
         explain,

@@ -82,6 +82,7 @@ pub async fn serve(
     // Every connection task holds a receiver: all dropped = all connections done.
     let (close_tx, close_rx) = watch::channel(());
     let open = Arc::new(AtomicUsize::new(0));
+    let header_timeout = Some(gw.settings.header_read_timeout).filter(|d| !d.is_zero());
     loop {
         let stream = tokio::select! {
             stream = accept(&listener) => stream,
@@ -97,8 +98,6 @@ pub async fn serve(
             tokio::spawn(refuse_connection(stream));
             continue;
         };
-        let gw_settings_header_timeout =
-            Some(gw.settings.header_read_timeout).filter(|d| !d.is_zero());
         let gw = gw.clone();
         let router = router.clone();
         let signal_tx = signal_tx.clone();
@@ -117,7 +116,6 @@ pub async fn serve(
                     })
                 }
             });
-            let header_timeout = gw_settings_header_timeout;
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)

@@ -381,6 +381,17 @@ fn response(status: &str, body: &str, keep_alive: bool) -> Vec<u8> {
     .into_bytes()
 }
 
+/// Answers with SSE headers and `events` as one chunk, then holds the connection without the
+/// terminating chunk: the body never ends.
+async fn stream_then_hold(s: &mut tokio::net::TcpStream, events: &str) {
+    let head =
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+    let chunk = format!("{head}{:x}\r\n{events}\r\n", events.len());
+    if s.write_all(chunk.as_bytes()).await.is_ok() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Reads one request (head and content-length body); its request line, or None at EOF.
 async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<String> {
     loop {
@@ -473,24 +484,13 @@ impl FakeEngine {
                                     "{\"cached_tokens\":0}}}\n\n",
                                     "data: [DONE]\n\n"
                                 );
-                                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
-                                let chunk = format!("{head}{:x}\r\n{events}\r\n", events.len());
-                                if s.write_all(chunk.as_bytes()).await.is_err() {
-                                    return;
-                                }
-                                // No terminating chunk: the body never ends.
-                                std::future::pending::<()>().await;
+                                stream_then_hold(&mut s, events).await;
                                 return;
                             }
                             (Fake::StallMidStream, false) => {
                                 let event =
                                     "data: {\"choices\":[{\"index\":0,\"text\":\"x\"}]}\n\n";
-                                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
-                                let chunk = format!("{head}{:x}\r\n{event}\r\n", event.len());
-                                if s.write_all(chunk.as_bytes()).await.is_err() {
-                                    return;
-                                }
-                                std::future::pending::<()>().await;
+                                stream_then_hold(&mut s, event).await;
                                 return;
                             }
                             (Fake::Ok, false) => {
