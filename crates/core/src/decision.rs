@@ -63,6 +63,9 @@ pub struct Candidate {
     /// Orders equal scores (random or fleet order, per the policy's tie rule).
     #[serde(skip)]
     pub(crate) tie: u64,
+    /// What the ranking sorts by: the score, or the best score for a near tie.
+    #[serde(skip)]
+    pub(crate) key: f64,
 }
 
 /// Where a request should go: candidates best first, then the excluded ones with reasons.
@@ -100,6 +103,9 @@ pub struct Decision {
     /// Hash of the request's session key (model-scoped), if it had one.
     #[serde(skip)]
     pub(crate) session: Option<u64>,
+    /// What the policy keeps for when the request is routed (see [`RoutePlan`]).
+    #[serde(skip)]
+    pub(crate) memo: Vec<u64>,
 }
 
 impl Decision {
@@ -158,6 +164,8 @@ impl Decision {
             session: self.session,
             estimated_ttft_s: (terms.prefill_s > 0.0)
                 .then_some(terms.wait_s + terms.prefill_s + terms.adapter_s + terms.transfer_s),
+            policy: self.policy,
+            memo: self.memo.clone(),
         }
     }
 
@@ -197,29 +205,95 @@ impl Decision {
     }
 }
 
-/// What the router records about a request sent to an instance.
+/// What the router records about a request sent to an instance. Only the router makes one (from
+/// its decision, [`Decision::plan_for`]), so what it records is what it decided.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutePlan {
     /// Chained hashes of the prompt's blocks.
-    pub block_hashes: Vec<u64>,
+    pub(crate) block_hashes: Vec<u64>,
     /// Rendered prompt bytes.
-    pub prompt_bytes: usize,
+    pub(crate) prompt_bytes: usize,
     /// Estimated prompt tokens.
-    pub prompt_tokens: u32,
+    pub(crate) prompt_tokens: u32,
     /// Blocks predicted cached there.
-    pub matched_blocks: u32,
+    pub(crate) matched_blocks: u32,
     /// Tokens predicted cached there.
-    pub predicted_cached_tokens: u32,
+    pub(crate) predicted_cached_tokens: u32,
     /// Adapter requested.
-    pub adapter: Option<String>,
+    pub(crate) adapter: Option<String>,
     /// Output budget.
-    pub max_tokens: u32,
+    pub(crate) max_tokens: u32,
     /// Sent as the decode half of a disaggregated request (no prefill work there).
-    pub is_decode_only: bool,
+    pub(crate) is_decode_only: bool,
     /// Seconds to the first token the decision expected there (wait + prefill + adapter +
     /// transfer), when the policy makes such an estimate.
-    pub estimated_ttft_s: Option<f64>,
+    pub(crate) estimated_ttft_s: Option<f64>,
     /// Hash of the request's session key, if any: the routed instance becomes the session's
     /// last instance.
-    pub session: Option<u64>,
+    pub(crate) session: Option<u64>,
+    /// The policy that decided, and what it keeps for [`crate::policy::Policy::on_routed`].
+    pub(crate) policy: &'static str,
+    /// See [`crate::policy::Policy::memo`].
+    pub(crate) memo: Vec<u64>,
+}
+
+impl RoutePlan {
+    /// A plan for a request the router did not decide (a leg sent where another decision
+    /// said): its load is counted, nothing is predicted or indexed.
+    pub fn unplanned(prompt_tokens: u32) -> RoutePlan {
+        RoutePlan {
+            block_hashes: Vec::new(),
+            prompt_bytes: 0,
+            prompt_tokens,
+            matched_blocks: 0,
+            predicted_cached_tokens: 0,
+            adapter: None,
+            max_tokens: 0,
+            is_decode_only: false,
+            estimated_ttft_s: None,
+            session: None,
+            policy: "",
+            memo: Vec::new(),
+        }
+    }
+
+    /// The adapter requested, if any.
+    pub fn adapter(&self) -> Option<&str> {
+        self.adapter.as_deref()
+    }
+
+    /// Whether this is the decode half of a disaggregated request.
+    pub fn is_decode_only(&self) -> bool {
+        self.is_decode_only
+    }
+
+    /// Estimated prompt tokens.
+    pub fn prompt_tokens(&self) -> u32 {
+        self.prompt_tokens
+    }
+
+    /// Output budget reserved.
+    pub fn max_tokens(&self) -> u32 {
+        self.max_tokens
+    }
+
+    /// Leading prompt blocks predicted held there.
+    pub fn matched_blocks(&self) -> u32 {
+        self.matched_blocks
+    }
+
+    /// Prompt tokens predicted served from its cache there.
+    pub fn predicted_cached_tokens(&self) -> u32 {
+        self.predicted_cached_tokens
+    }
+
+    /// The decision's time-to-first-token estimate there, if the policy makes one.
+    pub fn estimated_ttft_s(&self) -> Option<f64> {
+        self.estimated_ttft_s
+    }
+
+    /// Prompt blocks the routed instance will be indexed as holding.
+    pub fn indexed_blocks(&self) -> usize {
+        self.block_hashes.len()
+    }
 }

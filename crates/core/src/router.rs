@@ -159,7 +159,7 @@ impl Router {
 
     /// Name of the policy in force.
     pub fn policy_name(&self) -> &'static str {
-        self.policy.name()
+        self.policy.traits().name
     }
 
     /// Learned bytes of prompt text per token.
@@ -234,7 +234,7 @@ impl Router {
         // The prompt's holders first: a shortlist is built around them.
         self.hashes.clear();
         let generates = request.kind == RequestKind::Generate;
-        let uses_index = generates && self.policy.uses_prefix_index();
+        let uses_index = generates && self.policy.traits().uses_prefix_index;
         if uses_index {
             let seed = chain_seed(request.model, request.adapter, request.cache_salt);
             tapered_prompt_block_hashes(
@@ -253,7 +253,7 @@ impl Router {
             && shortlist_len > 0
             && pool_len > 2 * shortlist_len
             && request.adapter.is_none()
-            && self.policy.scores_shortlist()
+            && self.policy.traits().scores_shortlist
         {
             self.shortlist(request.model, shortlist_len, &mut slots);
         } else {
@@ -275,6 +275,7 @@ impl Router {
                 terms: CostTerms::default(),
                 excluded,
                 tie: u64::from(slot),
+                key: f64::INFINITY,
             };
             let reason = match instance.health {
                 Health::Unhealthy => Some(Exclusion::Unhealthy),
@@ -323,11 +324,12 @@ impl Router {
         // Selective disaggregation: the decode instances are also scored as if they ran the
         // request whole, and the cheaper of that and the hand-off wins.
         let local_max = self.config.cost.local_prefill_max_tokens;
-        let mut local = if disaggregate && local_max > 0 && self.policy.prices_local_prefill() {
-            decode_candidates.clone()
-        } else {
-            Vec::new()
-        };
+        let mut local =
+            if disaggregate && local_max > 0 && self.policy.traits().prices_local_prefill {
+                decode_candidates.clone()
+            } else {
+                Vec::new()
+            };
 
         let session = request
             .session_id
@@ -372,6 +374,7 @@ impl Router {
             pool_speed: self.pool_speed(request.model),
         };
         self.policy.score(&ctx, &mut candidates, &mut self.rng);
+        let memo = self.policy.memo();
         if disaggregate {
             let decode_ctx = ScoringContext {
                 stage: Stage::Decode,
@@ -411,13 +414,24 @@ impl Router {
                 decode_candidates.clear();
             }
         }
-        let tie = self.policy.tie_break();
+        let tie = Tie {
+            rule: self.policy.traits().tie_break,
+            relative: self.config.cost.tie_relative,
+            absolute: self.config.cost.tie_absolute_s,
+            // Only a match the index can vouch for: a full index block, or most of a short
+            // prompt. A few shared bytes (a chat template's opening) would otherwise send every
+            // idle request to whichever instance served the first one.
+            significant_tokens: ((self.config.index.block_bytes as f64)
+                .min(prompt_bytes as f64 / 2.0)
+                / self.bytes_per_token)
+                .ceil() as u32,
+        };
         let ranked_len = self.config.ranked_candidates;
         let (eligible, ranked) = rank(&mut candidates, tie, ranked_len, &mut self.rng);
         let (decode_eligible, _) = rank(&mut decode_candidates, tie, ranked_len, &mut self.rng);
         candidates.extend(excluded);
         Ok(Decision {
-            policy: self.policy.name(),
+            policy: self.policy.traits().name,
             prompt_tokens,
             candidates,
             eligible,
@@ -430,6 +444,7 @@ impl Router {
             adapter: request.adapter.map(str::to_string),
             max_tokens: request.max_tokens,
             session,
+            memo,
         })
     }
 
@@ -673,6 +688,14 @@ impl Router {
     ) -> Result<(), ObserveError> {
         if self.in_flight.contains_key(&request) {
             return Err(ObserveError::DuplicateRequest(request));
+        }
+        // The policy that decided remembers the pick (a policy switched in since has its own
+        // keys); a decode leg did not prefill the prompt there.
+        if !plan.is_decode_only
+            && plan.policy == self.policy.traits().name
+            && self.fleet.get(id).is_some()
+        {
+            self.policy.on_routed(id.slot, &plan.memo);
         }
         let rate = self.config.estimates.learning_rate;
         let instance = self
@@ -974,9 +997,19 @@ fn best_score(candidates: &[Candidate]) -> f64 {
 
 /// Orders eligible candidates first, the best `ranked_len` of them sorted by score with the tie
 /// rule, in place; returns (eligible count, ranked count).
+/// How [`rank`] breaks ties for one decision.
+#[derive(Debug, Clone, Copy)]
+struct Tie {
+    rule: TieBreak,
+    relative: f64,
+    absolute: f64,
+    /// Predicted cached tokens from which a holder is preferred within a near tie.
+    significant_tokens: u32,
+}
+
 fn rank(
     candidates: &mut [Candidate],
-    tie: TieBreak,
+    tie: Tie,
     ranked_len: usize,
     rng: &mut SmallRng,
 ) -> (usize, usize) {
@@ -989,22 +1022,16 @@ fn rank(
         }
     }
     let head = &mut candidates[..eligible];
-    match tie {
+    for c in head.iter_mut() {
+        c.key = c.score;
+    }
+    match tie.rule {
         TieBreak::First => {}
         TieBreak::Exact => head.iter_mut().for_each(|c| c.tie = rng.random()),
-        TieBreak::Near { relative, absolute } => {
-            let best = head.iter().map(|c| c.score).fold(f64::INFINITY, f64::min);
-            let limit = best + best.abs() * relative + absolute;
-            for c in head.iter_mut() {
-                c.tie = rng.random();
-                if c.score <= limit {
-                    c.score = best;
-                }
-            }
-        }
+        TieBreak::Near => near_ties(head, tie, rng),
     }
     let better =
-        |a: &Candidate, b: &Candidate| a.score.total_cmp(&b.score).then(a.tie.cmp(&b.tie)).is_lt();
+        |a: &Candidate, b: &Candidate| a.key.total_cmp(&b.key).then(a.tie.cmp(&b.tie)).is_lt();
     let ranked = ranked_len.min(eligible);
     // One pass keeps the best `ranked` positions in order (ranked is small, eligible may be
     // thousands), then they are swapped to the front.
@@ -1026,4 +1053,35 @@ fn rank(
         }
     }
     (eligible, ranked)
+}
+
+/// Randomised tie-break among near-equal candidates: every candidate within the tolerance of
+/// the best ranks as the best, in random order, instead of always the first (no herding onto
+/// one instance). Within the tie, the candidates expected to hold most of the prompt go first:
+/// at the same estimated TTFT, the others would store a second copy of the prefix and evict
+/// something of their own for it. A holder only wins a tie, so a hot prefix still spreads once
+/// its holders' wait grows.
+fn near_ties(head: &mut [Candidate], tie: Tie, rng: &mut SmallRng) {
+    let best = head.iter().map(|c| c.score).fold(f64::INFINITY, f64::min);
+    if !best.is_finite() {
+        return;
+    }
+    let limit = best + best.abs() * tie.relative + tie.absolute;
+    let most_cached = head
+        .iter()
+        .filter(|c| c.score <= limit)
+        .map(|c| c.terms.cached_tokens)
+        .max()
+        .unwrap_or(0);
+    let most_cached = if most_cached >= tie.significant_tokens.max(1) {
+        most_cached
+    } else {
+        0
+    };
+    for c in head.iter_mut().filter(|c| c.score <= limit) {
+        c.key = best;
+        // The top bit ranks holders of less of the prompt after the best holders.
+        let behind = u64::from(c.terms.cached_tokens < most_cached) << 63;
+        c.tie = behind | (rng.random::<u64>() >> 1);
+    }
 }

@@ -89,7 +89,7 @@ proptest! {
             let blocks = chain(&text);
             let decision = router.route(&RouteRequest::text("m", &text), n as f64).unwrap();
             let plan = decision.plan_for(id);
-            let predicted = plan.matched_blocks as usize;
+            let predicted = plan.matched_blocks() as usize;
             let truly = engine.run(&blocks);
             prop_assert!(predicted >= truly, "the index lost a block the engine holds");
             router.observe(Observation::Routed { request: RequestId(n as u64), instance: id, plan }, n as f64).unwrap();
@@ -143,7 +143,7 @@ fn prediction_error(disable_feedback: bool) -> f64 {
             .route(&RouteRequest::text("m", &text), i as f64)
             .unwrap();
         let plan = decision.plan_for(id);
-        let predicted = plan.predicted_cached_tokens;
+        let predicted = plan.predicted_cached_tokens();
         let request = RequestId(i);
         router
             .observe(
@@ -194,7 +194,7 @@ fn every_request_leaves_its_prediction_against_the_outcome() {
             .route(&RouteRequest::text("m", &text), n as f64)
             .unwrap();
         let plan = decision.plan_for(id);
-        assert!(plan.estimated_ttft_s.is_some_and(|s| s > 0.0));
+        assert!(plan.estimated_ttft_s().is_some_and(|s| s > 0.0));
         let request = RequestId(n);
         router
             .observe(

@@ -132,8 +132,14 @@ proptest! {
                 check(c.instance, false, true)?;
             }
             prop_assert!(decision.ranked <= decision.eligible);
+            // Ranked by score, except that candidates near the best (the tie tolerance) come
+            // first in any order.
             let scores: Vec<f64> = decision.ranked_candidates().map(|c| c.score).collect();
-            prop_assert!(scores.windows(2).all(|w| w[0] <= w[1]), "ranked out of order: {:?}", scores);
+            let best = decision.eligible_candidates().iter().map(|c| c.score).fold(f64::INFINITY, f64::min);
+            let tol = &RouterConfig::default().cost;
+            let limit = best + best.abs() * tol.tie_relative + tol.tie_absolute_s;
+            let key = |s: f64| if s <= limit { best } else { s };
+            prop_assert!(scores.windows(2).all(|w| key(w[0]) <= key(w[1])), "ranked out of order: {:?}", scores);
             if let Some(pick) = decision.best() {
                 let plan = decision.plan_for(pick);
                 router.observe(Observation::Routed { request: RequestId(n as u64), instance: pick, plan }, now).unwrap();

@@ -952,3 +952,48 @@ fn cost_prefers_evicting_a_replica_to_evicting_the_last_copy() {
         assert_ne!(decision.best(), Some(ids[0]));
     }
 }
+
+/// The SGLang and GIE baselines remember the prefixes they sent: only where a request was
+/// routed, never for a dry run (a decision nobody followed), and at the instance a retry went to.
+#[test]
+fn baselines_remember_routed_prompts_not_dry_runs() {
+    for policy in ["sglang-cache-aware", "gie"] {
+        let (mut router, ids) = router(policy, 4);
+        let text = prompt("remember me ", 2000, 1);
+        let request = RouteRequest::text("m", &text);
+        // Dry runs: nothing recorded, so no candidate is credited with the prompt (and
+        // SGLang's smallest-tree rule keeps its first choice).
+        let first = router.route(&request, 0.0).unwrap().best().unwrap();
+        for _ in 0..3 {
+            let decision = router.route(&request, 0.0).unwrap();
+            if policy == "sglang-cache-aware" {
+                assert_eq!(decision.best(), Some(first), "{policy}");
+            }
+            let credited = decision
+                .eligible_candidates()
+                .iter()
+                .any(|c| c.terms.matched_blocks > 0);
+            assert!(!credited, "{policy}: a dry run was remembered");
+        }
+        // Routed to another candidate than the first (a retry): that one is remembered.
+        let decision = router.route(&request, 0.0).unwrap();
+        let retry = *ids.iter().find(|&&id| id != first).unwrap();
+        let plan = decision.plan_for(retry);
+        router
+            .observe(
+                Observation::Routed {
+                    request: RequestId(1),
+                    instance: retry,
+                    plan,
+                },
+                0.0,
+            )
+            .unwrap();
+        finish(&mut router, 1, 0.1);
+        assert_eq!(
+            router.route(&request, 1.0).unwrap().best(),
+            Some(retry),
+            "{policy}: the prompt's holder is where it was sent"
+        );
+    }
+}

@@ -125,18 +125,7 @@ impl Routed {
     pub(crate) fn plan_for(&self, id: InstanceId) -> RoutePlan {
         match &self.decision {
             Some(d) => d.plan_for(id),
-            None => RoutePlan {
-                block_hashes: Vec::new(),
-                prompt_bytes: 0,
-                prompt_tokens: self.prompt_tokens,
-                matched_blocks: 0,
-                predicted_cached_tokens: 0,
-                adapter: None,
-                max_tokens: 0,
-                is_decode_only: false,
-                estimated_ttft_s: None,
-                session: None,
-            },
+            None => RoutePlan::unplanned(self.prompt_tokens),
         }
     }
 

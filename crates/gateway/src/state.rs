@@ -231,7 +231,7 @@ impl Brain {
     pub fn observe(&mut self, observation: Observation, now: f64) {
         if let (Some(p), Observation::Routed { plan, .. }) = (self.placement.as_mut(), &observation)
         {
-            if let (Some(adapter), false) = (&plan.adapter, plan.is_decode_only) {
+            if let (Some(adapter), false) = (plan.adapter(), plan.is_decode_only()) {
                 p.record(adapter, now);
             }
         }
@@ -458,8 +458,8 @@ mod tests {
         // Placed by load: no prefix looked up, nothing to decode.
         let best = decision.eligible_candidates()[0].instance;
         let plan = decision.plan_for(best);
-        assert!(plan.block_hashes.is_empty());
-        assert_eq!(plan.max_tokens, 0);
+        assert_eq!(plan.indexed_blocks(), 0);
+        assert_eq!(plan.max_tokens(), 0);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 use rand::rngs::SmallRng;
 use rand::Rng;
 
-use super::{pick_then_by_load, Policy, ScoringContext, TieBreak};
+use super::{pick_then_by_load, Policy, PolicyTraits, ScoringContext, TieBreak};
 use crate::decision::Candidate;
 
 /// Each request to the next instance in fleet order.
@@ -16,16 +16,15 @@ pub struct RoundRobin {
 }
 
 impl Policy for RoundRobin {
-    fn name(&self) -> &'static str {
-        "round-robin"
-    }
-
-    fn uses_prefix_index(&self) -> bool {
-        false
-    }
-
-    fn tie_break(&self) -> TieBreak {
-        TieBreak::First
+    fn traits(&self) -> &'static PolicyTraits {
+        const TRAITS: PolicyTraits = PolicyTraits {
+            name: "round-robin",
+            uses_prefix_index: false,
+            tie_break: TieBreak::First,
+            prices_local_prefill: false,
+            scores_shortlist: false,
+        };
+        &TRAITS
     }
 
     fn score(
@@ -50,16 +49,15 @@ impl Policy for RoundRobin {
 pub struct Random;
 
 impl Policy for Random {
-    fn name(&self) -> &'static str {
-        "random"
-    }
-
-    fn uses_prefix_index(&self) -> bool {
-        false
-    }
-
-    fn tie_break(&self) -> TieBreak {
-        TieBreak::First
+    fn traits(&self) -> &'static PolicyTraits {
+        const TRAITS: PolicyTraits = PolicyTraits {
+            name: "random",
+            uses_prefix_index: false,
+            tie_break: TieBreak::First,
+            prices_local_prefill: false,
+            scores_shortlist: false,
+        };
+        &TRAITS
     }
 
     fn score(
@@ -78,16 +76,15 @@ impl Policy for Random {
 pub struct LeastLoad;
 
 impl Policy for LeastLoad {
-    fn name(&self) -> &'static str {
-        "least-load"
-    }
-
-    fn uses_prefix_index(&self) -> bool {
-        false
-    }
-
-    fn tie_break(&self) -> TieBreak {
-        TieBreak::Exact
+    fn traits(&self) -> &'static PolicyTraits {
+        const TRAITS: PolicyTraits = PolicyTraits {
+            name: "least-load",
+            uses_prefix_index: false,
+            tie_break: TieBreak::Exact,
+            prices_local_prefill: false,
+            scores_shortlist: false,
+        };
+        &TRAITS
     }
 
     fn score(
@@ -106,16 +103,15 @@ impl Policy for LeastLoad {
 pub struct PowerOfTwo;
 
 impl Policy for PowerOfTwo {
-    fn name(&self) -> &'static str {
-        "power-of-two"
-    }
-
-    fn uses_prefix_index(&self) -> bool {
-        false
-    }
-
-    fn tie_break(&self) -> TieBreak {
-        TieBreak::First
+    fn traits(&self) -> &'static PolicyTraits {
+        const TRAITS: PolicyTraits = PolicyTraits {
+            name: "power-of-two",
+            uses_prefix_index: false,
+            tie_break: TieBreak::First,
+            prices_local_prefill: false,
+            scores_shortlist: false,
+        };
+        &TRAITS
     }
 
     fn score(

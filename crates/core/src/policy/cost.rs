@@ -9,7 +9,7 @@
 use rand::rngs::SmallRng;
 use rustc_hash::FxHashMap;
 
-use super::{Policy, ScoringContext, Stage, TieBreak};
+use super::{Policy, PolicyTraits, ScoringContext, Stage, TieBreak};
 use crate::config::RouterConfig;
 use crate::decision::{Candidate, CostTerms, Exclusion};
 use crate::fleet::{Instance, LoadView};
@@ -307,24 +307,24 @@ fn guard_adapter_swaps(ctx: &ScoringContext<'_>, candidates: &mut [Candidate]) {
 }
 
 impl Policy for CostPolicy {
-    fn name(&self) -> &'static str {
-        "cost"
-    }
-
-    fn uses_prefix_index(&self) -> bool {
-        true
-    }
-
-    fn tie_break(&self) -> TieBreak {
-        // Near-equal candidates already carry random offsets (see `near_ties_to_random`).
-        TieBreak::First
+    fn traits(&self) -> &'static PolicyTraits {
+        const TRAITS: PolicyTraits = PolicyTraits {
+            name: "cost",
+            uses_prefix_index: true,
+            tie_break: TieBreak::Near,
+            prices_local_prefill: true,
+            // Every instance outside the shortlist holds none of the prompt and waits at least
+            // as long as the shortlisted non-holders (by the ladder's estimate).
+            scores_shortlist: true,
+        };
+        &TRAITS
     }
 
     fn score(
         &mut self,
         ctx: &ScoringContext<'_>,
         candidates: &mut [Candidate],
-        rng: &mut SmallRng,
+        _rng: &mut SmallRng,
     ) {
         debug_assert!(ctx.stage != Stage::Decode);
         for c in candidates.iter_mut() {
@@ -332,75 +332,17 @@ impl Policy for CostPolicy {
             c.score = total(&c.terms);
         }
         guard_adapter_swaps(ctx, candidates);
-        near_ties_to_random(ctx, candidates, rng);
-    }
-
-    fn prices_local_prefill(&self) -> bool {
-        true
-    }
-
-    fn scores_shortlist(&self) -> bool {
-        // Every instance outside the shortlist holds none of the prompt and waits at least as
-        // long as the shortlisted non-holders (by the ladder's estimate).
-        true
     }
 
     fn score_decode(
         &mut self,
         ctx: &ScoringContext<'_>,
         candidates: &mut [Candidate],
-        rng: &mut SmallRng,
+        _rng: &mut SmallRng,
     ) {
         for c in candidates.iter_mut() {
             c.terms = decode_terms(ctx, ctx.instance(c), c.terms);
             c.score = total(&c.terms);
         }
-        near_ties_to_random(ctx, candidates, rng);
-    }
-}
-
-/// Randomised tie-break among near-equal candidates: every candidate within the tolerance of
-/// the best gets the best score plus a tiny random offset, so the ranking picks one of them at
-/// random instead of always the first (no herding onto one instance). Within the tie, the
-/// candidates expected to hold most of the prompt go first: at the same estimated TTFT, the
-/// others would store a second copy of the prefix and evict something of their own for it
-/// (when the match is a full index block or most of the prompt). A holder only wins a tie, so
-/// a hot prefix still spreads once its holders' wait grows.
-fn near_ties_to_random(ctx: &ScoringContext<'_>, candidates: &mut [Candidate], rng: &mut SmallRng) {
-    use rand::Rng;
-    let cost = &ctx.config.cost;
-    let best = candidates
-        .iter()
-        .filter(|c| c.excluded.is_none())
-        .map(|c| c.score)
-        .fold(f64::INFINITY, f64::min);
-    if !best.is_finite() {
-        return;
-    }
-    let limit = best + best.abs() * cost.tie_relative + cost.tie_absolute_s;
-    let tied = |c: &Candidate| c.excluded.is_none() && c.score <= limit;
-    let most_cached = candidates
-        .iter()
-        .filter(|c| tied(c))
-        .map(|c| c.terms.cached_tokens)
-        .max()
-        .unwrap_or(0);
-    // Only a match the index can vouch for: a full index block, or most of a short prompt. A
-    // few shared bytes (a chat template's opening) would otherwise send every idle request to
-    // whichever instance served the first one.
-    let matched_bytes = f64::from(most_cached) * ctx.bytes_per_token;
-    let prompt_bytes = f64::from(ctx.prompt_tokens) * ctx.bytes_per_token;
-    let significant =
-        matched_bytes >= (ctx.config.index.block_bytes as f64).min(prompt_bytes / 2.0);
-    let most_cached = if significant { most_cached } else { 0 };
-    for c in candidates.iter_mut().filter(|c| tied(c)) {
-        // The offsets are far below any real difference and keep the tied group ahead of the
-        // rest; holders of less of the prompt rank after the best holders.
-        let behind = if c.terms.cached_tokens < most_cached {
-            1e-11
-        } else {
-            0.0
-        };
-        c.score = best + behind + rng.random::<f64>() * 1e-12;
     }
 }

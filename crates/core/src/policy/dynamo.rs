@@ -7,7 +7,7 @@
 
 use rand::rngs::SmallRng;
 
-use super::{Policy, ScoringContext, TieBreak};
+use super::{Policy, PolicyTraits, ScoringContext, TieBreak};
 use crate::config::DynamoConfig;
 use crate::decision::Candidate;
 
@@ -24,16 +24,15 @@ impl DynamoKv {
 }
 
 impl Policy for DynamoKv {
-    fn name(&self) -> &'static str {
-        "dynamo-kv"
-    }
-
-    fn uses_prefix_index(&self) -> bool {
-        true
-    }
-
-    fn tie_break(&self) -> TieBreak {
-        TieBreak::Exact
+    fn traits(&self) -> &'static PolicyTraits {
+        const TRAITS: PolicyTraits = PolicyTraits {
+            name: "dynamo-kv",
+            uses_prefix_index: true,
+            tie_break: TieBreak::Exact,
+            prices_local_prefill: false,
+            scores_shortlist: false,
+        };
+        &TRAITS
     }
 
     fn score(

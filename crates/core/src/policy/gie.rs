@@ -11,7 +11,7 @@ use rand::rngs::SmallRng;
 use rand::Rng;
 
 use super::routed_prefixes::RoutedPrefixes;
-use super::{Policy, ScoringContext, TieBreak};
+use super::{Policy, PolicyTraits, ScoringContext, TieBreak};
 use crate::config::GieConfig;
 use crate::decision::Candidate;
 use crate::fleet::Instance;
@@ -32,16 +32,15 @@ impl Gie {
 }
 
 impl Policy for Gie {
-    fn name(&self) -> &'static str {
-        "gie"
-    }
-
-    fn uses_prefix_index(&self) -> bool {
-        false
-    }
-
-    fn tie_break(&self) -> TieBreak {
-        TieBreak::First
+    fn traits(&self) -> &'static PolicyTraits {
+        const TRAITS: PolicyTraits = PolicyTraits {
+            name: "gie",
+            uses_prefix_index: false,
+            tie_break: TieBreak::First,
+            prices_local_prefill: false,
+            scores_shortlist: false,
+        };
+        &TRAITS
     }
 
     fn score(
@@ -55,13 +54,21 @@ impl Policy for Gie {
         });
     }
 
+    fn memo(&mut self) -> Vec<u64> {
+        self.prefix.take_hashes()
+    }
+
+    fn on_routed(&mut self, slot: Slot, memo: &[u64]) {
+        self.prefix.record(slot, memo);
+    }
+
     fn forget_instance(&mut self, slot: Slot) {
         self.prefix.forget(slot);
     }
 }
 
 /// The extension's weighted scorers (queue, KV, prefix) plus `extra` per instance, then the
-/// max-score picker (uniform among the top scores); the pick's prompt is recorded as routed.
+/// max-score picker (uniform among the top scores); the prompt is recorded once routed.
 pub(super) fn score_weighted(
     config: &GieConfig,
     prefix: &mut RoutedPrefixes,
@@ -112,5 +119,4 @@ pub(super) fn score_weighted(
         .collect();
     let pick = top[rng.random_range(0..top.len())];
     candidates[pick].score -= 1e-9;
-    prefix.record(candidates[pick].instance.slot);
 }

@@ -22,7 +22,7 @@ use rand::rngs::SmallRng;
 
 use super::gie::score_weighted;
 use super::routed_prefixes::RoutedPrefixes;
-use super::{Policy, ScoringContext, TieBreak};
+use super::{Policy, PolicyTraits, ScoringContext, TieBreak};
 use crate::config::GieConfig;
 use crate::decision::Candidate;
 use crate::fleet::Instance;
@@ -75,16 +75,15 @@ pub fn lora_affinity(instance: &Instance, target: &str, now: f64, stale_after: f
 }
 
 impl Policy for GieLora {
-    fn name(&self) -> &'static str {
-        "gie-lora"
-    }
-
-    fn uses_prefix_index(&self) -> bool {
-        false
-    }
-
-    fn tie_break(&self) -> TieBreak {
-        TieBreak::First
+    fn traits(&self) -> &'static PolicyTraits {
+        const TRAITS: PolicyTraits = PolicyTraits {
+            name: "gie-lora",
+            uses_prefix_index: false,
+            tie_break: TieBreak::First,
+            prices_local_prefill: false,
+            scores_shortlist: false,
+        };
+        &TRAITS
     }
 
     fn score(
@@ -99,6 +98,14 @@ impl Policy for GieLora {
         score_weighted(&self.config, &mut self.prefix, ctx, candidates, rng, |i| {
             weight * lora_affinity(i, target, ctx.now, stale)
         });
+    }
+
+    fn memo(&mut self) -> Vec<u64> {
+        self.prefix.take_hashes()
+    }
+
+    fn on_routed(&mut self, slot: Slot, memo: &[u64]) {
+        self.prefix.record(slot, memo);
     }
 
     fn forget_instance(&mut self, slot: Slot) {

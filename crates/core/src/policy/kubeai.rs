@@ -9,7 +9,7 @@ use rand::rngs::SmallRng;
 use rustc_hash::FxHashMap;
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::{pick_then_by_load, Policy, ScoringContext, TieBreak};
+use super::{pick_then_by_load, Policy, PolicyTraits, ScoringContext, TieBreak};
 use crate::config::KubeAiConfig;
 use crate::decision::Candidate;
 use crate::prefix::Slot;
@@ -53,16 +53,15 @@ impl KubeAiChwbl {
 }
 
 impl Policy for KubeAiChwbl {
-    fn name(&self) -> &'static str {
-        "kubeai-chwbl"
-    }
-
-    fn uses_prefix_index(&self) -> bool {
-        false
-    }
-
-    fn tie_break(&self) -> TieBreak {
-        TieBreak::First
+    fn traits(&self) -> &'static PolicyTraits {
+        const TRAITS: PolicyTraits = PolicyTraits {
+            name: "kubeai-chwbl",
+            uses_prefix_index: false,
+            tie_break: TieBreak::First,
+            prices_local_prefill: false,
+            scores_shortlist: false,
+        };
+        &TRAITS
     }
 
     fn score(

@@ -79,34 +79,45 @@ impl ScoringContext<'_> {
     }
 }
 
-/// How equal scores are ordered.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// How equal (or nearly equal) scores are ordered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TieBreak {
-    /// Pick uniformly among candidates within `relative` × best + `absolute` of the best.
-    Near {
-        /// Relative tolerance.
-        relative: f64,
-        /// Absolute tolerance.
-        absolute: f64,
-    },
+    /// Candidates within `cost.tie_relative` × best + `cost.tie_absolute_s` of the best are
+    /// tied: those expected to hold most of the prompt first (when the match is a full index
+    /// block or half of a short prompt), at random among them. The scores themselves are kept,
+    /// so the explanation shows each candidate's own estimate.
+    Near,
     /// Pick uniformly among exactly equal scores.
     Exact,
     /// Keep candidate order (the fleet's order): the first wins.
     First,
 }
 
+/// What a policy is, fixed for its life: one description instead of a method per capability.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyTraits {
+    /// The name it is selected by.
+    pub name: &'static str,
+    /// Whether candidates need the shared prefix index's matches (skipped otherwise).
+    pub uses_prefix_index: bool,
+    /// How equal scores are ordered.
+    pub tie_break: TieBreak,
+    /// Whether the policy prices running a request whole on a decode instance against the
+    /// prefill/decode hand-off (selective disaggregation); routers that always split do not.
+    pub prices_local_prefill: bool,
+    /// Whether the policy may be given a shortlist of a large pool (prefix holders plus the
+    /// least loaded) instead of every instance; policies that sample or cycle over the whole
+    /// pool may not.
+    pub scores_shortlist: bool,
+}
+
 /// A routing policy.
 pub trait Policy: Send {
-    /// The name it is selected by.
-    fn name(&self) -> &'static str;
+    /// What the policy is.
+    fn traits(&self) -> &'static PolicyTraits;
 
-    /// Whether candidates need the shared prefix index's matches (skipped otherwise).
-    fn uses_prefix_index(&self) -> bool;
-
-    /// How equal scores are ordered.
-    fn tie_break(&self) -> TieBreak;
-
-    /// Scores the candidates of one request (lower is better) and may exclude some.
+    /// Scores the candidates of one request (lower is better) and may exclude some. Scoring
+    /// must not change what the policy remembers: a dry run or a retry scores too.
     fn score(&mut self, ctx: &ScoringContext<'_>, candidates: &mut [Candidate], rng: &mut SmallRng);
 
     /// Scores decode candidates of a disaggregated request; by default least in-flight first,
@@ -122,18 +133,15 @@ pub trait Policy: Send {
         }
     }
 
-    /// Whether the policy prices running a request whole on a decode instance against the
-    /// prefill/decode hand-off (selective disaggregation); routers that always split do not.
-    fn prices_local_prefill(&self) -> bool {
-        false
+    /// What the last [`Policy::score`] computed about the request that [`Policy::on_routed`]
+    /// needs (e.g. the prompt's block hashes as the policy keys them); carried by the plan.
+    fn memo(&mut self) -> Vec<u64> {
+        Vec::new()
     }
 
-    /// Whether the policy may be given a shortlist of a large pool (prefix holders plus the
-    /// least loaded) instead of every instance; policies that sample or cycle over the whole
-    /// pool may not.
-    fn scores_shortlist(&self) -> bool {
-        false
-    }
+    /// The request scored with `memo` was sent to `slot`: what a policy that remembers its
+    /// picks records (as the SGLang and GIE routers record the prefixes they sent).
+    fn on_routed(&mut self, _slot: Slot, _memo: &[u64]) {}
 
     /// Drops whatever the policy keeps about an instance that left.
     fn forget_instance(&mut self, _slot: Slot) {}

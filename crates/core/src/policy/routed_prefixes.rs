@@ -65,12 +65,17 @@ impl RoutedPrefixes {
         self.index.len(slot)
     }
 
-    /// Remembers the hashed prompt as sent to `slot`.
-    pub(crate) fn record(&mut self, slot: Slot) {
+    /// The hashed prompt's blocks, for the plan (the scratch is refilled by the next hash).
+    pub(crate) fn take_hashes(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.hashes)
+    }
+
+    /// Remembers a prompt (its block hashes from [`Self::take_hashes`]) as sent to `slot`.
+    pub(crate) fn record(&mut self, slot: Slot, hashes: &[u64]) {
         if self.index.capacity(slot) == 0 {
             self.index.set_capacity(slot, self.capacity);
         }
-        self.index.insert(slot, &self.hashes);
+        self.index.insert(slot, hashes);
     }
 
     /// Forgets an instance that left.

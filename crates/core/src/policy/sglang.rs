@@ -13,7 +13,7 @@
 use rand::rngs::SmallRng;
 
 use super::routed_prefixes::RoutedPrefixes;
-use super::{pick_then_by_load, Policy, ScoringContext, TieBreak};
+use super::{pick_then_by_load, Policy, PolicyTraits, ScoringContext, TieBreak};
 use crate::config::SglangConfig;
 use crate::decision::Candidate;
 use crate::prefix::Slot;
@@ -40,16 +40,15 @@ pub fn is_imbalanced(max_load: u32, min_load: u32, config: &SglangConfig) -> boo
 }
 
 impl Policy for SglangCacheAware {
-    fn name(&self) -> &'static str {
-        "sglang-cache-aware"
-    }
-
-    fn uses_prefix_index(&self) -> bool {
-        false
-    }
-
-    fn tie_break(&self) -> TieBreak {
-        TieBreak::First
+    fn traits(&self) -> &'static PolicyTraits {
+        const TRAITS: PolicyTraits = PolicyTraits {
+            name: "sglang-cache-aware",
+            uses_prefix_index: false,
+            tie_break: TieBreak::First,
+            prices_local_prefill: false,
+            scores_shortlist: false,
+        };
+        &TRAITS
     }
 
     fn score(
@@ -109,8 +108,15 @@ impl Policy for SglangCacheAware {
                 }
             }
         };
-        self.tree.record(candidates[pick].instance.slot);
         pick_then_by_load(ctx, candidates, pick);
+    }
+
+    fn memo(&mut self) -> Vec<u64> {
+        self.tree.take_hashes()
+    }
+
+    fn on_routed(&mut self, slot: Slot, memo: &[u64]) {
+        self.tree.record(slot, memo);
     }
 
     fn forget_instance(&mut self, slot: Slot) {
