@@ -1,5 +1,7 @@
 //! The answer to "where should this request go?", with the reasons.
 
+use std::sync::Arc;
+
 use serde::Serialize;
 
 use crate::fleet::InstanceId;
@@ -90,7 +92,7 @@ pub struct Decision {
     pub saturated: bool,
     /// Chained hashes of the prompt's blocks (what the routed instance will hold).
     #[serde(skip)]
-    pub(crate) block_hashes: Vec<u64>,
+    pub(crate) block_hashes: Arc<[u64]>,
     /// Rendered prompt bytes (for learning bytes per token).
     #[serde(skip)]
     pub(crate) prompt_bytes: usize,
@@ -210,7 +212,7 @@ impl Decision {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutePlan {
     /// Chained hashes of the prompt's blocks.
-    pub(crate) block_hashes: Vec<u64>,
+    pub(crate) block_hashes: Arc<[u64]>,
     /// Rendered prompt bytes.
     pub(crate) prompt_bytes: usize,
     /// Estimated prompt tokens.
@@ -242,7 +244,7 @@ impl RoutePlan {
     /// said): its load is counted, nothing is predicted or indexed.
     pub fn unplanned(prompt_tokens: u32) -> RoutePlan {
         RoutePlan {
-            block_hashes: Vec::new(),
+            block_hashes: Arc::from([]),
             prompt_bytes: 0,
             prompt_tokens,
             matched_blocks: 0,

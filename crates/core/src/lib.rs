@@ -33,4 +33,4 @@ pub use decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan};
 pub use fleet::{EngineMetrics, Health, Instance, InstanceId, InstanceSpec, Role};
 pub use observe::{KvEvent, Observation, ObserveError, Prediction, Usage};
 pub use request::{ChatMessage, Phase, Prompt, RequestId, RequestKind, RouteRequest};
-pub use router::{RouteError, Router};
+pub use router::{prepare, PreparedPrompt, RouteError, Router};

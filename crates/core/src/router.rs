@@ -1,6 +1,7 @@
 //! The routing brain: `route(request, now) -> Decision` and `observe(observation, now)`.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -26,6 +27,42 @@ pub enum RouteError {
     /// No instance serves this model.
     #[error("no instance serves model `{0}`")]
     UnknownModel(String),
+}
+
+/// A prompt made ready for routing: its block hashes, the part of a route that reads every
+/// byte of the prompt. Computed by [`prepare`] without the router, so a driver hashes outside
+/// its lock, and once per request however often the request is routed (retries, the queue).
+#[derive(Debug, Clone, Default)]
+pub struct PreparedPrompt {
+    /// Chain seed (model, adapter, cache salt) the hashes were made with.
+    seed: u64,
+    /// Index block size they were made with (0: not hashed).
+    block_bytes: usize,
+    /// Chained block hashes, shared with the decision and its plans.
+    hashes: Arc<[u64]>,
+}
+
+impl PreparedPrompt {
+    fn fits(&self, request: &RouteRequest<'_>, block_bytes: usize) -> bool {
+        self.block_bytes == block_bytes
+            && self.block_bytes > 0
+            && self.seed == chain_seed(request.model, request.adapter, request.cache_salt)
+    }
+}
+
+/// Hashes `request`'s prompt in blocks of `block_bytes` ([`Router::block_bytes`]) for
+/// [`Router::route_prepared`].
+pub fn prepare(request: &RouteRequest<'_>, block_bytes: usize) -> PreparedPrompt {
+    let seed = chain_seed(request.model, request.adapter, request.cache_salt);
+    let mut hashes = Vec::new();
+    if request.kind == RequestKind::Generate {
+        tapered_prompt_block_hashes(&request.prompt, seed, block_bytes, &mut hashes);
+    }
+    PreparedPrompt {
+        seed,
+        block_bytes,
+        hashes: hashes.into(),
+    }
 }
 
 /// What the router remembers about a request between `Routed` and its end.
@@ -73,7 +110,6 @@ pub struct Router {
     prompt_bytes_seen: f64,
     prompt_tokens_seen: f64,
     observations_since_sweep: u32,
-    hashes: Vec<u64>,
     matches: Vec<BlockMatch>,
     depth_by_slot: Vec<u32>,
     /// Healthy instances by estimated wait, for shortlisting large pools.
@@ -132,7 +168,6 @@ impl Router {
             in_flight: FxHashMap::default(),
             pending_inserts: Vec::new(),
             observations_since_sweep: 0,
-            hashes: Vec::new(),
             matches: Vec::new(),
             depth_by_slot: Vec::new(),
             ladder: LoadLadder::default(),
@@ -222,28 +257,56 @@ impl Router {
         }
     }
 
-    /// Routes one request: candidates ranked best first, with the reasons.
+    /// The index's block size: what [`prepare`] needs to hash a prompt for this router.
+    pub fn block_bytes(&self) -> usize {
+        self.config.index.block_bytes
+    }
+
+    /// Routes one request: candidates ranked best first, with the reasons. Hashes the prompt
+    /// itself; a driver that holds the router behind a lock calls [`prepare`] before taking it
+    /// and [`Router::route_prepared`] under it.
     pub fn route(&mut self, request: &RouteRequest<'_>, now: f64) -> Result<Decision, RouteError> {
+        let prepared = if self.uses_index(request) {
+            prepare(request, self.block_bytes())
+        } else {
+            PreparedPrompt::default()
+        };
+        self.route_prepared(request, &prepared, now)
+    }
+
+    fn uses_index(&self, request: &RouteRequest<'_>) -> bool {
+        request.kind == RequestKind::Generate && self.policy.traits().uses_prefix_index
+    }
+
+    /// Routes a request whose prompt was hashed by [`prepare`] (re-hashed here only if it was
+    /// prepared for another model, adapter, salt or block size).
+    pub fn route_prepared(
+        &mut self,
+        request: &RouteRequest<'_>,
+        prepared: &PreparedPrompt,
+        now: f64,
+    ) -> Result<Decision, RouteError> {
         let pool_len = self.fleet.serving(request.model).len();
         if pool_len == 0 {
             return Err(RouteError::UnknownModel(request.model.to_string()));
         }
+        let uses_index = self.uses_index(request);
+        let fresh;
+        let prepared = if !uses_index || prepared.fits(request, self.block_bytes()) {
+            prepared
+        } else {
+            fresh = prepare(request, self.block_bytes());
+            &fresh
+        };
+        // Cheap: a sum of piece lengths.
         let prompt_bytes = request.prompt.rendered_len();
         let prompt_tokens = ((prompt_bytes as f64 / self.bytes_per_token).ceil() as u32).max(1);
+        let generates = request.kind == RequestKind::Generate;
+        let hashes: &[u64] = if uses_index { &prepared.hashes } else { &[] };
 
         // The prompt's holders first: a shortlist is built around them.
-        self.hashes.clear();
-        let generates = request.kind == RequestKind::Generate;
-        let uses_index = generates && self.policy.traits().uses_prefix_index;
         if uses_index {
-            let seed = chain_seed(request.model, request.adapter, request.cache_salt);
-            tapered_prompt_block_hashes(
-                &request.prompt,
-                seed,
-                self.config.index.block_bytes,
-                &mut self.hashes,
-            );
-            self.lookup_depths();
+            self.lookup_depths(hashes);
         }
         let shortlist_len = self.config.cost.shortlist_len;
         let mut slots = std::mem::take(&mut self.slot_scratch);
@@ -336,14 +399,21 @@ impl Router {
             .map(|id| chain_seed(request.model, None, Some(id)));
         let mark = session.and_then(|h| self.sessions.get(&h).copied());
         if uses_index {
-            self.apply_matches(&mut candidates, prompt_tokens, request.token_ids, mark);
             self.apply_matches(
+                hashes,
+                &mut candidates,
+                prompt_tokens,
+                request.token_ids,
+                mark,
+            );
+            self.apply_matches(
+                hashes,
                 &mut decode_candidates,
                 prompt_tokens,
                 request.token_ids,
                 mark,
             );
-            self.apply_matches(&mut local, prompt_tokens, request.token_ids, mark);
+            self.apply_matches(hashes, &mut local, prompt_tokens, request.token_ids, mark);
         } else {
             for c in candidates.iter_mut().chain(local.iter_mut()) {
                 c.terms.uncached_tokens = prompt_tokens;
@@ -439,7 +509,11 @@ impl Router {
             decode: decode_candidates,
             decode_eligible,
             saturated,
-            block_hashes: std::mem::take(&mut self.hashes),
+            block_hashes: if uses_index {
+                prepared.hashes.clone()
+            } else {
+                Arc::from([])
+            },
             prompt_bytes,
             adapter: request.adapter.map(str::to_string),
             max_tokens: request.max_tokens,
@@ -481,8 +555,8 @@ impl Router {
     }
 
     /// Looks the prompt's block hashes up in the index: matched depth per slot.
-    fn lookup_depths(&mut self) {
-        self.index.lookup(&self.hashes, &mut self.matches);
+    fn lookup_depths(&mut self, hashes: &[u64]) {
+        self.index.lookup(hashes, &mut self.matches);
         self.depth_by_slot.clear();
         self.depth_by_slot.resize(self.fleet.slot_bound(), 0);
         for m in &self.matches {
@@ -523,6 +597,7 @@ impl Router {
     /// carries token ids).
     fn apply_matches(
         &mut self,
+        hashes: &[u64],
         candidates: &mut [Candidate],
         prompt_tokens: u32,
         token_ids: Option<&[u32]>,
@@ -538,7 +613,7 @@ impl Router {
             let mut bytes = tapered_end(blocks, block_bytes) as f64;
             if let Some(instance) = self.fleet.get(c.instance) {
                 if blocks > 0 {
-                    bytes *= held_share(&self.index, slot, &self.hashes, blocks, instance);
+                    bytes *= held_share(&self.index, slot, hashes, blocks, instance);
                 }
                 // The session's last instance likely holds the conversation even where the
                 // prompt was edited (the index then matches less): its last prompt, discounted

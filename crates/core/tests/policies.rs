@@ -997,3 +997,41 @@ fn baselines_remember_routed_prompts_not_dry_runs() {
         );
     }
 }
+
+/// A prompt prepared outside the router decides exactly as `route` does, and one prepared for
+/// another model is hashed again rather than looked up under the wrong chain.
+#[test]
+fn prepared_prompts_route_like_route() {
+    let (mut router, _) = router("cost", 4);
+    for id in 0..20u64 {
+        let text = prompt("shared system prompt ", 1500, id % 3);
+        send(
+            &mut router,
+            id,
+            &RouteRequest::text("m", &text),
+            id as f64 * 0.01,
+        );
+    }
+    let text = prompt("shared system prompt ", 1500, 1);
+    let request = RouteRequest::text("m", &text);
+    let direct = router.route(&request, 1.0).unwrap();
+    let prepared = switchyard_core::prepare(&request, router.block_bytes());
+    let via_prepared = router.route_prepared(&request, &prepared, 1.0).unwrap();
+    let wrong = switchyard_core::prepare(&RouteRequest::text("other", &text), router.block_bytes());
+    let via_wrong = router.route_prepared(&request, &wrong, 1.0).unwrap();
+    let cached = |d: &switchyard_core::Decision| -> Vec<(InstanceId, u32)> {
+        let mut v: Vec<_> = d
+            .eligible_candidates()
+            .iter()
+            .map(|c| (c.instance, c.terms.cached_tokens))
+            .collect();
+        v.sort();
+        v
+    };
+    assert!(
+        cached(&direct).iter().any(|&(_, t)| t > 0),
+        "the prompt is held somewhere"
+    );
+    assert_eq!(cached(&direct), cached(&via_prepared));
+    assert_eq!(cached(&direct), cached(&via_wrong));
+}

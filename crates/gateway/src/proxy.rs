@@ -14,13 +14,15 @@ use http::request::Parts;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Request, StatusCode};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
-use switchyard_core::{Decision, InstanceId, Observation, RequestId, RequestKind, RoutePlan};
+use switchyard_core::{
+    Decision, InstanceId, Observation, PreparedPrompt, RequestId, RequestKind, RoutePlan,
+};
 
 use crate::backends::Backend;
 use crate::errors::ApiError;
 use crate::health;
 use crate::parse::{self, ParsedRequest};
-use crate::state::Gateway;
+use crate::state::{Gateway, Target};
 use crate::stream::{ObservedBody, RequestGuard};
 use crate::upstream::Failure;
 
@@ -145,11 +147,19 @@ enum RouteStep {
     NoBackend,
 }
 
+/// A request ready to route: its model resolved and its prompt hashed (once, outside the lock,
+/// however often it is routed).
+struct Prepared {
+    target: Target,
+    prompt: PreparedPrompt,
+    kind: RequestKind,
+}
+
 /// One routing attempt under the lock; the first candidate is recorded as `Routed` at once.
 fn route_once(
     gw: &Gateway,
     parsed: &ParsedRequest<'_>,
-    endpoint: Endpoint,
+    prepared: &Prepared,
     rid: RequestId,
 ) -> Result<RouteStep, ApiError> {
     let max = gw.settings.max_retries as usize + 1;
@@ -159,12 +169,13 @@ fn route_once(
     let now = gw.seconds_at(t0);
     let brain = &mut *guard;
     let mut candidates: Vec<Arc<Backend>> = Vec::with_capacity(max);
-    let kind = if endpoint == Endpoint::Embeddings {
-        RequestKind::Embed
-    } else {
-        RequestKind::Generate
-    };
-    let (decision, upstream_model) = brain.route(parsed, kind, now)?;
+    let decision = brain.route(
+        parsed,
+        &prepared.target,
+        &prepared.prompt,
+        prepared.kind,
+        now,
+    )?;
     gw.metrics
         .decision_seconds
         .observe(t0.elapsed().as_secs_f64());
@@ -198,7 +209,7 @@ fn route_once(
         candidates,
         prompt_tokens,
         explain,
-        upstream_model,
+        upstream_model: prepared.target.upstream_model.clone(),
     };
     let plan = routed.plan_for(first);
     brain.observe(
@@ -219,15 +230,28 @@ async fn route(
     endpoint: Endpoint,
     rid: RequestId,
 ) -> Result<Routed, ApiError> {
+    let kind = if endpoint == Endpoint::Embeddings {
+        RequestKind::Embed
+    } else {
+        RequestKind::Generate
+    };
+    // A short hold of the lock to resolve the name; the prompt is hashed without it.
+    let target = gw.brain.lock().target(&parsed.model)?;
+    let prompt = target.prepare(parsed, kind, gw.block_bytes);
+    let prepared = Prepared {
+        target,
+        prompt,
+        kind,
+    };
     // Requests already waiting for this model go first: a newcomer joins the end of the line.
     if gw.admission.has_line(&parsed.model) {
-        return Box::pin(queue(gw, parsed, endpoint, rid)).await;
+        return Box::pin(queue(gw, parsed, &prepared, rid)).await;
     }
-    match route_once(gw, parsed, endpoint, rid)? {
+    match route_once(gw, parsed, &prepared, rid)? {
         RouteStep::Go(r) => Ok(r),
         RouteStep::NoBackend => Err(ApiError::no_backend(&parsed.model)),
         // Rare: boxed, so the common request's future stays small.
-        RouteStep::Saturated => Box::pin(queue(gw, parsed, endpoint, rid)).await,
+        RouteStep::Saturated => Box::pin(queue(gw, parsed, &prepared, rid)).await,
     }
 }
 
@@ -236,7 +260,7 @@ async fn route(
 async fn queue(
     gw: &Gateway,
     parsed: &ParsedRequest<'_>,
-    endpoint: Endpoint,
+    prepared: &Prepared,
     rid: RequestId,
 ) -> Result<Routed, ApiError> {
     let retry_after = gw.settings.queue_timeout.as_secs().clamp(1, 60) as u32;
@@ -252,7 +276,7 @@ async fn queue(
         if gw.is_shutting_down() {
             return Err(ApiError::shutting_down());
         }
-        match route_once(gw, parsed, endpoint, rid)? {
+        match route_once(gw, parsed, prepared, rid)? {
             // Leaving the line (drop) gives the next request its turn.
             RouteStep::Go(r) => return Ok(r),
             RouteStep::Saturated => {}

@@ -9,7 +9,8 @@ use std::time::Instant;
 use http::HeaderValue;
 use parking_lot::Mutex;
 use switchyard_core::{
-    Decision, InstanceId, Observation, Prediction, RequestId, RequestKind, RouteRequest, Router,
+    Decision, InstanceId, Observation, Prediction, PreparedPrompt, RequestId, RequestKind,
+    RouteRequest, Router,
 };
 
 use crate::admission::Admission;
@@ -148,45 +149,43 @@ impl Brain {
         )
     }
 
-    /// Routes a parsed request (model names resolved first); with the `model` the engine must
-    /// see when an alias or the single-model fallback applied.
-    pub fn route(
-        &mut self,
-        parsed: &ParsedRequest<'_>,
-        kind: RequestKind,
-        now: f64,
-    ) -> Result<(Decision, Option<String>), ModelError> {
-        // Fields, not `self.resolve`: the resolution borrows the maps while the router routes.
+    /// Resolves a request's model name into what routing needs, owned (so the prompt can be
+    /// prepared without the lock); logs the single-model fallback once per name.
+    pub fn target(&mut self, requested: &str) -> Result<Target, ModelError> {
+        // Fields, not `self.resolve`: the fallback log is written while the resolution lives.
         let resolution = resolve(
             self.router.fleet(),
             &self.adapters,
             &self.aliases,
             self.strict_models,
-            &parsed.model,
+            requested,
         )?;
         if resolution.via == Via::Fallback {
-            note_fallback(&mut self.fallback_log, &parsed.model, &resolution.model);
+            note_fallback(&mut self.fallback_log, requested, &resolution.model);
         }
-        let upstream = resolution.upstream_model().map(str::to_string);
+        Ok(Target {
+            upstream_model: resolution.upstream_model().map(str::to_string),
+            model: resolution.model.into_owned(),
+            adapter: resolution.adapter.map(str::to_string),
+        })
+    }
+
+    /// Routes a parsed request to `target` with its prepared prompt
+    /// ([`Target::prepare`]).
+    pub fn route(
+        &mut self,
+        parsed: &ParsedRequest<'_>,
+        target: &Target,
+        prepared: &PreparedPrompt,
+        kind: RequestKind,
+        now: f64,
+    ) -> Result<Decision, ModelError> {
         let router = &mut self.router;
-        let decision = parsed
-            .with_route_request(&resolution.model, resolution.adapter, |r| {
-                // An embedding generates nothing: no decode budget to reserve.
-                let max_tokens = match kind {
-                    RequestKind::Generate => r.max_tokens,
-                    RequestKind::Embed => 0,
-                };
-                router.route(
-                    &RouteRequest {
-                        kind,
-                        max_tokens,
-                        ..*r
-                    },
-                    now,
-                )
+        parsed
+            .with_route_request(&target.model, target.adapter.as_deref(), |r| {
+                router.route_prepared(&target.request(r, kind), prepared, now)
             })
-            .map_err(|_| ModelError::Unknown(parsed.model.to_string()))?;
-        Ok((decision, upstream))
+            .map_err(|_| ModelError::Unknown(parsed.model.to_string()))
     }
 
     /// Every served name: base models (no parent) and adapters (with their base model).
@@ -241,6 +240,45 @@ impl Brain {
     }
 }
 
+/// A requested model name resolved for routing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// Base model to route on.
+    pub model: String,
+    /// Adapter asked for, if any.
+    pub adapter: Option<String>,
+    /// The `model` to put in the body sent upstream, when an alias or the single-model
+    /// fallback applied (else the body's own is right).
+    pub upstream_model: Option<String>,
+}
+
+impl Target {
+    /// The core's request for `kind`: an embedding generates nothing, so no decode budget.
+    fn request<'a>(&self, r: &RouteRequest<'a>, kind: RequestKind) -> RouteRequest<'a> {
+        let max_tokens = match kind {
+            RequestKind::Generate => r.max_tokens,
+            RequestKind::Embed => 0,
+        };
+        RouteRequest {
+            kind,
+            max_tokens,
+            ..*r
+        }
+    }
+
+    /// Hashes the request's prompt for routing, without the router (outside its lock).
+    pub fn prepare(
+        &self,
+        parsed: &ParsedRequest<'_>,
+        kind: RequestKind,
+        block_bytes: usize,
+    ) -> PreparedPrompt {
+        parsed.with_route_request(&self.model, self.adapter.as_deref(), |r| {
+            switchyard_core::prepare(&self.request(r, kind), block_bytes)
+        })
+    }
+}
+
 /// Logs, once per name (see [`FallbackLog`]), that an unknown name went to the only model.
 fn note_fallback(log: &mut FallbackLog, requested: &str, model: &str) {
     if log.first_time(requested, model) {
@@ -264,6 +302,8 @@ pub struct Gateway {
     pub metrics: Metrics,
     /// Requests waiting for capacity.
     pub admission: Admission,
+    /// The router's index block size, for preparing prompts outside the lock.
+    pub block_bytes: usize,
     started: Instant,
     started_unix: u64,
     next_request: AtomicU64,
@@ -293,7 +333,9 @@ impl Gateway {
                 settings.router.placement.clone(),
             ));
         }
+        let block_bytes = brain.router.block_bytes();
         Arc::new(Gateway {
+            block_bytes,
             brain: Mutex::new(brain),
             upstream: Upstream::new(settings.connect_timeout),
             metrics: Metrics::new(),
@@ -434,9 +476,10 @@ mod tests {
     fn route(brain: &mut Brain, model: &str) -> Result<Option<String>, ModelError> {
         let body = format!(r#"{{"model":"{model}","prompt":"hi"}}"#);
         let parsed = crate::parse::parse(body.as_bytes(), None).unwrap();
-        brain
-            .route(&parsed, RequestKind::Generate, 0.0)
-            .map(|(_, upstream)| upstream)
+        let target = brain.target(&parsed.model)?;
+        let prompt = target.prepare(&parsed, RequestKind::Generate, brain.router.block_bytes());
+        brain.route(&parsed, &target, &prompt, RequestKind::Generate, 0.0)?;
+        Ok(target.upstream_model)
     }
 
     #[test]
@@ -453,8 +496,13 @@ mod tests {
         );
         // Embeddings resolve the same way, through the same router.
         let parsed = crate::parse::parse(br#"{"model":"gpt-4o","input":"x"}"#, None).unwrap();
-        let (decision, upstream) = b.route(&parsed, RequestKind::Embed, 0.0).unwrap();
-        assert_eq!((decision.eligible, upstream.as_deref()), (1, Some("qwen")));
+        let target = b.target(&parsed.model).unwrap();
+        let prompt = target.prepare(&parsed, RequestKind::Embed, b.router.block_bytes());
+        let decision = b
+            .route(&parsed, &target, &prompt, RequestKind::Embed, 0.0)
+            .unwrap();
+        let upstream = target.upstream_model.as_deref();
+        assert_eq!((decision.eligible, upstream), (1, Some("qwen")));
         // Placed by load: no prefix looked up, nothing to decode.
         let best = decision.eligible_candidates()[0].instance;
         let plan = decision.plan_for(best);
