@@ -212,6 +212,17 @@ async fn sigterm_lets_running_streams_finish() {
     }
     let chunks = sse_chunks(&text);
     assert!(chunks.len() >= 400, "{} chunks", chunks.len());
+    // The stream's connection, kept alive in the client's pool, answers the next request with
+    // a clear 503 and closes, instead of being closed under it.
+    let r = post(
+        &c,
+        &gw.url("/v1/chat/completions"),
+        &chat("after the drain began", 1),
+    )
+    .await;
+    assert_eq!(r.status, 503, "{}", r.text);
+    assert_eq!(r.json()["error"]["code"], "shutting_down");
+    assert_eq!(r.header("connection").as_deref(), Some("close"));
     assert_eq!(gw.wait_exit(Duration::from_secs(10)), Some(0));
 }
 

@@ -23,6 +23,7 @@ pub mod admission;
 pub mod backends;
 pub mod config;
 pub mod discovery;
+pub mod drain;
 pub mod errors;
 pub mod fleet;
 pub mod health;

@@ -21,6 +21,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::admin;
+use crate::drain::{self, Activity};
 use crate::errors::ApiError;
 use crate::proxy::{self, Endpoint, REQUEST_ID};
 use crate::state::Gateway;
@@ -103,17 +104,21 @@ pub async fn serve(
         let signal_tx = signal_tx.clone();
         let close_rx = close_rx.clone();
         tokio::spawn(async move {
+            let activity = Arc::new(Activity::default());
+            let requests = activity.clone();
             let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
                 let gw = gw.clone();
                 let router = router.clone();
+                let guard = requests.begin();
                 async move {
-                    Ok::<Response, Infallible>(match openai_endpoint(&request) {
-                        Some(endpoint) => proxy::handle(gw, endpoint, request).await,
+                    let response = match openai_endpoint(&request) {
+                        Some(endpoint) => proxy::handle(gw.clone(), endpoint, request).await,
                         None => match hyper::service::Service::call(&router, request).await {
                             Ok(response) => response,
                             Err(never) => match never {},
                         },
-                    })
+                    };
+                    Ok::<Response, Infallible>(drain::track(response, guard, gw.is_shutting_down()))
                 }
             });
             let connection = hyper::server::conn::http1::Builder::new()
@@ -123,7 +128,8 @@ pub async fn serve(
                 .with_upgrades();
             let mut connection = pin!(connection);
             let mut signal = pin!(signal_tx.closed());
-            let mut draining = false;
+            let mut quiet = pin!(activity.quiet());
+            let (mut draining, mut closing) = (false, false);
             loop {
                 tokio::select! {
                     result = connection.as_mut() => {
@@ -132,8 +138,11 @@ pub async fn serve(
                         }
                         break;
                     }
-                    _ = &mut signal, if !draining => {
-                        draining = true;
+                    _ = &mut signal, if !draining => draining = true,
+                    // Closed only when no request of the client's can be on its way (see
+                    // `drain`); responses meanwhile carry `Connection: close`.
+                    _ = &mut quiet, if draining && !closing => {
+                        closing = true;
                         connection.as_mut().graceful_shutdown();
                     }
                 }
