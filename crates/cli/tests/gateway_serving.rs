@@ -413,6 +413,43 @@ async fn a_client_that_leaves_cancels_the_engine_request() {
     assert!(idle.is_some());
 }
 
+/// A non-streamed request waits for the whole generation before any response byte: a client
+/// that leaves meanwhile is counted `cancelled` too, and the engine stops working on it.
+#[tokio::test]
+async fn a_client_that_leaves_a_non_streamed_request_is_counted() {
+    let e = engine_on(0, &["--speed", "1"]);
+    let gw = gateway(&["--backend", &backend(&e)]);
+    let c = client();
+    let body = json!({"model": MODEL, "prompt": "long", "max_tokens": 500});
+    let url = gw.url("/v1/completions");
+    let request = tokio::spawn({
+        let c = c.clone();
+        async move { c.post(url).json(&body).send().await }
+    });
+    // Leave once the engine is generating.
+    let running = poll(Duration::from_secs(10), || async {
+        let m = get_with(&c, &e.url("/metrics"), &[]).await.text;
+        (metric_sum(&m, "vllm:num_requests_running", &[]) == 1.0).then_some(())
+    })
+    .await;
+    assert!(running.is_some());
+    request.abort();
+    let settled = poll(Duration::from_secs(10), || async {
+        let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+        let cancelled = metric_sum(&m, "switchyard_requests_total", &["outcome=\"cancelled\""]);
+        let in_flight = metric_sum(&m, "switchyard_backend_in_flight", &[]);
+        (cancelled == 1.0 && in_flight == 0.0).then_some(())
+    })
+    .await;
+    assert!(settled.is_some(), "the disconnect is counted");
+    let idle = poll(Duration::from_secs(10), || async {
+        let m = get_with(&c, &e.url("/metrics"), &[]).await.text;
+        (metric_sum(&m, "vllm:num_requests_running", &[]) == 0.0).then_some(())
+    })
+    .await;
+    assert!(idle.is_some());
+}
+
 #[tokio::test]
 async fn a_prefill_decode_pair_serves_disaggregated_requests() {
     let prefill = engine(&["--role", "prefill"]);

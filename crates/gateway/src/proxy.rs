@@ -462,12 +462,14 @@ pub(crate) async fn attempt(
         loop {
             let request = upstream_request(backend, parts, body.clone(), request_id, strip_auth)
                 .map_err(ApiError::bad_gateway)?;
+            guard.set_awaiting_head(true);
             let sent = tokio::time::timeout(
                 gw.settings.upstream_timeout,
                 gw.upstream
                     .send_to(fresh, backend.base.authority(), request),
             )
             .await;
+            guard.set_awaiting_head(false);
             let response = match sent {
                 Err(_) => {
                     blame(gw, &failed, false);

@@ -28,6 +28,9 @@ pub struct RequestGuard {
     pub backend: Arc<Backend>,
     _in_flight: InFlightGuard,
     settled: bool,
+    /// Waiting for the engine's response head: dropped now, the client went away (a
+    /// non-streamed request spends its whole generation here).
+    awaiting_head: bool,
 }
 
 impl RequestGuard {
@@ -40,7 +43,13 @@ impl RequestGuard {
             backend,
             _in_flight: in_flight,
             settled: false,
+            awaiting_head: false,
         }
+    }
+
+    /// Marks the wait for the engine's response head (see [`RequestGuard::drop`]).
+    pub(crate) fn set_awaiting_head(&mut self, awaiting: bool) {
+        self.awaiting_head = awaiting;
     }
 
     /// Reports the request failed now (the body may still be passed on, e.g. a 4xx).
@@ -70,7 +79,13 @@ impl RequestGuard {
 }
 
 impl Drop for RequestGuard {
+    /// Settles the request as failed; dropped while waiting for the engine's answer (the
+    /// request's future was dropped: the client disconnected), it also counts as `cancelled`,
+    /// as a stream the client leaves does ([`Track`]).
     fn drop(&mut self) {
+        if self.awaiting_head && !self.settled {
+            self.backend.metrics.cancelled.inc();
+        }
         self.fail();
     }
 }
