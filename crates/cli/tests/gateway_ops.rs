@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use gateway_support::*;
-use serde_json::json;
+use serde_json::{json, Value};
 
 fn temp_dir(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(
@@ -369,6 +369,18 @@ async fn admin_api_needs_its_token() {
     assert_eq!(r.status(), 404);
     let r = c.post(gw.url("/admin/drain/nobody")).send().await.unwrap();
     assert_eq!(r.status(), 403);
+    // A path that does not decode: the token is checked first, and the error is OpenAI's shape.
+    let r = c.post(gw.url("/admin/drain/%FF")).send().await.unwrap();
+    assert_eq!(r.status(), 403);
+    let r = c
+        .post(gw.url("/admin/drain/%FF"))
+        .header("authorization", "Bearer s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_path", "{body}");
 
     // Switch the policy.
     let r = post_with(

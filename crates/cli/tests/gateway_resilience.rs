@@ -705,3 +705,39 @@ async fn a_stream_is_settled_at_done_even_if_the_client_leaves_at_once() {
     assert_eq!(ok, Some(1.0), "the request was not counted ok");
     assert_eq!(counted("cancelled").await, 0.0);
 }
+
+/// Requests hyper cannot parse are answered by hyper itself, before any handler: they still get
+/// OpenAI's error shape (and the connection is closed).
+#[tokio::test]
+async fn unparseable_requests_get_openai_errors() {
+    use tokio::io::AsyncWriteExt;
+    let e = engine(&[]);
+    let gw = gateway(&["--backend", &backend(&e)]);
+    let addr = gw.base.trim_start_matches("http://").to_string();
+    let long_uri = format!("GET /{} HTTP/1.1\r\nhost: x\r\n\r\n", "a".repeat(70_000));
+    let many_headers = format!(
+        "GET /health HTTP/1.1\r\nhost: x\r\n{}\r\n",
+        (0..120).map(|i| format!("h{i}: v\r\n")).collect::<String>()
+    );
+    for (request, status, code) in [
+        ("GARBAGE\r\n\r\n".to_string(), "400", "invalid_http"),
+        (
+            "GET /health HTTP/1.1\r\nhost: x\r\nbad header: y\r\n\r\n".to_string(),
+            "400",
+            "invalid_http",
+        ),
+        (long_uri, "414", "uri_too_long"),
+        (many_headers, "431", "headers_too_large"),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(request.as_bytes()).await.unwrap();
+        let answer = read_until_closed(&mut s, Duration::from_secs(10))
+            .await
+            .expect("answered and closed");
+        let (head, body) = answer.split_once("\r\n\r\n").expect("a head");
+        assert!(head.starts_with(&format!("HTTP/1.1 {status}")), "{head}");
+        assert!(head.contains("content-type: application/json"), "{head}");
+        let v: serde_json::Value = serde_json::from_str(body).expect("a JSON body");
+        assert_eq!(v["error"]["code"], code, "{body}");
+    }
+}

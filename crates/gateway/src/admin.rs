@@ -2,6 +2,7 @@
 //! router sees it, draining a backend, switching the policy.
 
 use axum::body::Bytes;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
@@ -20,6 +21,10 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     }
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
+
+/// A backend name from the path, or why it could not be read (answered after the auth check,
+/// in the OpenAI error shape, instead of axum's plain-text 400 before it).
+type PathArg = Result<Path<String>, PathRejection>;
 
 fn check(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(token) = &gw.settings.admin_token else {
@@ -92,11 +97,17 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
     with_id(axum::Json(body).into_response(), id)
 }
 
-fn set_draining(gw: &Gateway, headers: &HeaderMap, name: &str, on: bool) -> Response {
+fn set_draining(gw: &Gateway, headers: &HeaderMap, name: PathArg, on: bool) -> Response {
     let id = echo_id(gw, headers);
     if let Err(e) = check(gw, headers) {
         return proxy::reject(gw, e, &id);
     }
+    // After the token check: a caller without it learns nothing, not even about the path.
+    let name = match name {
+        Ok(Path(name)) => name,
+        Err(e) => return proxy::reject(gw, ApiError::bad_path(e.body_text()), &id),
+    };
+    let name = name.as_str();
     let backend = gw.brain.lock().by_name.get(name).cloned();
     let Some(backend) = backend else {
         return proxy::reject(gw, ApiError::unknown_backend(name), &id);
@@ -113,13 +124,13 @@ fn set_draining(gw: &Gateway, headers: &HeaderMap, name: &str, on: bool) -> Resp
 }
 
 /// `POST /admin/drain/{name}`: the backend takes no new requests (in-flight ones finish).
-pub async fn drain(State(gw): Shared, Path(name): Path<String>, headers: HeaderMap) -> Response {
-    set_draining(&gw, &headers, &name, true)
+pub async fn drain(State(gw): Shared, name: PathArg, headers: HeaderMap) -> Response {
+    set_draining(&gw, &headers, name, true)
 }
 
 /// `POST /admin/undrain/{name}`: the backend takes requests again.
-pub async fn undrain(State(gw): Shared, Path(name): Path<String>, headers: HeaderMap) -> Response {
-    set_draining(&gw, &headers, &name, false)
+pub async fn undrain(State(gw): Shared, name: PathArg, headers: HeaderMap) -> Response {
+    set_draining(&gw, &headers, name, false)
 }
 
 #[derive(Deserialize)]

@@ -54,6 +54,16 @@ impl ApiError {
         }
     }
 
+    /// 400: a path parameter that does not decode (e.g. invalid percent-encoding).
+    pub fn bad_path(detail: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_path",
+            format!("The request path is invalid: {detail}"),
+        )
+    }
+
     /// 400: the body is not valid JSON (or not an object).
     pub fn malformed(detail: impl std::fmt::Display) -> Self {
         Self::new(
@@ -154,6 +164,36 @@ impl ApiError {
             "invalid_request_error",
             "headers_too_large",
             format!("The request headers are larger than {limit} bytes."),
+        )
+    }
+
+    /// 431 from the HTTP layer (more or larger header fields than it parses).
+    pub fn header_fields_too_large() -> Self {
+        Self::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "invalid_request_error",
+            "headers_too_large",
+            "The request has more or larger header fields than the gateway accepts.".into(),
+        )
+    }
+
+    /// 400 from the HTTP layer: the request is not valid HTTP/1.1.
+    pub fn invalid_http() -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_http",
+            "The request is not valid HTTP/1.1.".into(),
+        )
+    }
+
+    /// 414 from the HTTP layer: the request target is too long.
+    pub fn uri_too_long() -> Self {
+        Self::new(
+            StatusCode::URI_TOO_LONG,
+            "invalid_request_error",
+            "uri_too_long",
+            "The request URI is too long.".into(),
         )
     }
 

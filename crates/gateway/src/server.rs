@@ -21,6 +21,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::admin;
+use crate::bare_errors::ShapedErrors;
 use crate::drain::{self, Activity};
 use crate::errors::ApiError;
 use crate::proxy::{self, Endpoint, REQUEST_ID};
@@ -124,7 +125,7 @@ pub async fn serve(
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
-                .serve_connection(TokioIo::new(stream), service)
+                .serve_connection(ShapedErrors::new(TokioIo::new(stream)), service)
                 .with_upgrades();
             let mut connection = pin!(connection);
             let mut signal = pin!(signal_tx.closed());
