@@ -3,6 +3,7 @@
 mod bench_cmd;
 mod demo_cmd;
 mod engine_cmd;
+mod epp_cmd;
 mod route_cmd;
 mod serve_cmd;
 mod sim_cmd;
@@ -22,6 +23,8 @@ struct Cli {
 enum Command {
     /// Run the gateway: an OpenAI-compatible router in front of inference engines.
     Serve(serve_cmd::ServeArgs),
+    /// Run the endpoint picker for an Envoy-based gateway (Gateway API Inference Extension).
+    Epp(epp_cmd::EppArgs),
     /// Start emulated engines and the gateway in one process, and print requests to try.
     Demo(demo_cmd::DemoArgs),
     /// Run the engine emulator (vLLM-compatible server in scaled real time).
@@ -45,6 +48,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => serve_cmd::run(args),
+        Command::Epp(args) => epp_cmd::run(args),
         Command::Demo(args) => demo_cmd::run(args),
         Command::Engine(args) => engine_cmd::run(args),
         Command::Route(args) => route_cmd::run(args),

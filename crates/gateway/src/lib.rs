@@ -92,8 +92,18 @@ pub struct RunningGateway {
     placement: Option<JoinHandle<()>>,
 }
 
-/// Builds the router, adds the configured backends, binds and starts serving.
-pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
+/// The fleet side of a gateway, without a listener: the router with the configured backends
+/// (health checks and scrapes running), the fleet file watched. `serve` and `epp` both start
+/// from it.
+pub struct Fleet {
+    /// Shared state (fleet, router, metrics).
+    pub gateway: Arc<Gateway>,
+    /// Keeps the fleet file watched while alive.
+    pub watcher: Option<watch::FleetWatcher>,
+}
+
+/// Builds the router and adds the configured backends (and the fleet file's).
+pub fn launch(settings: Settings) -> Result<Fleet, GatewayError> {
     let router =
         Router::new(settings.router.clone()).map_err(|e| GatewayError::Config(e.to_string()))?;
     let file = match &settings.fleet_file {
@@ -114,15 +124,6 @@ pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
     let mut all: Vec<BackendSpec> = settings.backends.clone();
     all.extend(file.iter().flat_map(|f| f.backends.iter().cloned()));
     backends::check_unique(&all).map_err(|e| GatewayError::Config(e.to_string()))?;
-    let listen = settings.listen;
-    let listener = TcpListener::bind(listen)
-        .await
-        .map_err(|source| GatewayError::Bind {
-            addr: listen,
-            source,
-        })?;
-    let addr = listener.local_addr().map_err(GatewayError::Serve)?;
-
     let gw = Gateway::new(settings, router);
     gw.brain.lock().set_aliases(aliases);
     for spec in gw.settings.backends.clone() {
@@ -135,6 +136,27 @@ pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
         }
         _ => None,
     };
+    Ok(Fleet {
+        gateway: gw,
+        watcher,
+    })
+}
+
+/// Builds the router, adds the configured backends, binds and starts serving.
+pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
+    let listen = settings.listen;
+    // Settings and the fleet file are checked before the port is taken.
+    let Fleet {
+        gateway: gw,
+        watcher,
+    } = launch(settings)?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| GatewayError::Bind {
+            addr: listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(GatewayError::Serve)?;
 
     let (tx, rx) = oneshot::channel::<()>();
     let serving = gw.clone();

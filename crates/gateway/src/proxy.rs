@@ -106,25 +106,25 @@ where
 }
 
 /// What routing produced for one request.
-pub(crate) struct Routed {
+pub struct Routed {
     /// The router's id of the request.
-    pub(crate) rid: RequestId,
+    pub rid: RequestId,
     /// The decision (none for one leg of a disaggregated pair, routed already).
-    pub(crate) decision: Option<Decision>,
+    pub decision: Option<Decision>,
     /// Candidates to try, in order (the first already observed as `Routed`).
-    pub(crate) candidates: Vec<Arc<Backend>>,
+    pub candidates: Vec<Arc<Backend>>,
     /// Estimated prompt tokens (the plan of a request without a decision).
-    pub(crate) prompt_tokens: u32,
+    pub prompt_tokens: u32,
     /// The decision explained, for the debug header.
-    pub(crate) explain: Option<String>,
+    pub explain: Option<String>,
     /// The `model` to put in the body sent upstream, when an alias or the single-model
     /// fallback applied (else the body's own is right).
-    pub(crate) upstream_model: Option<String>,
+    pub upstream_model: Option<String>,
 }
 
 impl Routed {
     /// What to record when the request goes to `id`.
-    pub(crate) fn plan_for(&self, id: InstanceId) -> RoutePlan {
+    pub fn plan_for(&self, id: InstanceId) -> RoutePlan {
         match &self.decision {
             Some(d) => d.plan_for(id),
             None => RoutePlan::unplanned(self.prompt_tokens),
@@ -223,8 +223,9 @@ fn route_once(
     Ok(RouteStep::Go(routed))
 }
 
-/// Routes, waiting in the admission queue while every candidate is saturated.
-async fn route(
+/// Routes, waiting in the admission queue while every candidate is saturated; the first
+/// candidate is recorded as `Routed`. Errors are the client's answer (404, 429, 503...).
+pub async fn route(
     gw: &Gateway,
     parsed: &ParsedRequest<'_>,
     endpoint: Endpoint,

@@ -48,6 +48,21 @@ pub fn app(gw: Arc<Gateway>) -> Router {
         .with_state(gw)
 }
 
+/// The operations routes alone (health, metrics, admin), for a driver whose requests arrive
+/// another way (the Envoy endpoint picker's metrics port).
+pub fn ops_app(gw: Arc<Gateway>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/admin/fleet", get(admin::fleet))
+        .route("/admin/drain/{name}", post(admin::drain))
+        .route("/admin/undrain/{name}", post(admin::undrain))
+        .route("/admin/policy", post(admin::policy))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(gw)
+}
+
 /// The OpenAI endpoint a request is for, if it is one (`POST` on its exact path): the same
 /// routes [`app`] has, answered without going through axum's router.
 fn openai_endpoint(request: &http::Request<Incoming>) -> Option<Endpoint> {

@@ -48,7 +48,7 @@ impl RequestGuard {
     }
 
     /// Marks the wait for the engine's response head (see [`RequestGuard::drop`]).
-    pub(crate) fn set_awaiting_head(&mut self, awaiting: bool) {
+    pub fn set_awaiting_head(&mut self, awaiting: bool) {
         self.awaiting_head = awaiting;
     }
 
@@ -62,14 +62,14 @@ impl RequestGuard {
     }
 
     /// Reports the first response byte.
-    pub(crate) fn first_token(&self) {
+    pub fn first_token(&self) {
         if !self.settled {
             self.gw.observe(Observation::FirstToken(self.rid));
         }
     }
 
     /// Reports the request finished, with the engine's usage.
-    pub(crate) fn finish(&mut self, usage: Option<Usage>) {
+    pub fn finish(&mut self, usage: Option<Usage>) {
         if !self.settled {
             self.settled = true;
             self.gw.observe(Observation::Finished(self.rid, usage));
@@ -325,6 +325,31 @@ struct Track {
 }
 
 impl Track {
+    fn new(
+        guard: RequestGuard,
+        started: Instant,
+        sse: bool,
+        strip_usage: bool,
+        predicted_cached: u32,
+    ) -> Self {
+        let scan = if sse {
+            Scan::Sse(SseScanner::new(strip_usage))
+        } else {
+            Scan::Json {
+                buf: Vec::new(),
+                usage: None,
+            }
+        };
+        Track {
+            guard,
+            started,
+            first_seen: false,
+            predicted_cached,
+            scan,
+            ended: false,
+        }
+    }
+
     /// One data frame; `last`: the body ends with it.
     fn on_data(&mut self, data: Bytes, last: bool) -> Bytes {
         if !self.first_seen {
@@ -403,6 +428,49 @@ impl Drop for Track {
     }
 }
 
+/// Watches a 2xx response body that another proxy carries (the Envoy endpoint picker sees
+/// it chunk by chunk): first token, usage and the end settle the request exactly as
+/// [`ObservedBody`] does for the gateway's own bodies. Dropped before the end: cancelled.
+pub struct ResponseWatch(Track);
+
+impl ResponseWatch {
+    /// Like [`ObservedBody::tracked`], without a body to poll.
+    pub fn new(
+        guard: RequestGuard,
+        started: Instant,
+        sse: bool,
+        strip_usage: bool,
+        predicted_cached: u32,
+    ) -> Self {
+        ResponseWatch(Track::new(
+            guard,
+            started,
+            sse,
+            strip_usage,
+            predicted_cached,
+        ))
+    }
+
+    /// One chunk of the body; returns what to pass on (the usage chunk we asked for removed).
+    pub fn on_data(&mut self, data: Bytes, last: bool) -> Bytes {
+        let mut out = self.0.on_data(data, last);
+        if last || self.0.saw_done() {
+            let rest = self.0.on_end();
+            if !rest.is_empty() {
+                let mut joined = BytesMut::from(&out[..]);
+                joined.extend_from_slice(&rest);
+                out = joined.freeze();
+            }
+        }
+        out
+    }
+
+    /// The body ended (without a last chunk seen): settles the request as finished.
+    pub fn on_end(&mut self) -> Bytes {
+        self.0.on_end()
+    }
+}
+
 /// The body passed to the client.
 pub struct ObservedBody {
     inner: UpstreamBody,
@@ -425,25 +493,16 @@ impl ObservedBody {
         strip_usage: bool,
         predicted_cached: u32,
     ) -> Self {
-        let scan = if sse {
-            Scan::Sse(SseScanner::new(strip_usage))
-        } else {
-            Scan::Json {
-                buf: Vec::new(),
-                usage: None,
-            }
-        };
         ObservedBody {
             inner,
             idle: None,
-            track: Some(Track {
+            track: Some(Track::new(
                 guard,
                 started,
-                first_seen: false,
+                sse,
+                strip_usage,
                 predicted_cached,
-                scan,
-                ended: false,
-            }),
+            )),
             _guard: None,
             done: false,
         }
