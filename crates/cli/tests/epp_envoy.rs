@@ -225,7 +225,10 @@ async fn requests_land_where_the_picker_says_and_it_learns() {
     for i in 0..6 {
         let r = post(&c, &url, &shared_prefix_chat(i, false)).await;
         assert_eq!(r.status, 200, "{}", r.text);
-        served.push(r.header("x-served-by").expect("x-served-by"));
+        served.push(
+            r.header("x-gateway-destination-endpoint-served")
+                .expect("the served endpoint"),
+        );
         cached.push(
             r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
                 .as_u64()
@@ -312,8 +315,25 @@ async fn a_dead_first_endpoint_falls_back_to_the_next() {
     for i in 0..4 {
         let r = post(&c, &url, &chat(&format!("fallback {i}"), 4)).await;
         assert_eq!(r.status, 200, "{}", r.text);
-        assert_eq!(r.header("x-served-by").as_deref(), Some(survivor.as_str()));
+        let served = r.header("x-gateway-destination-endpoint-served");
+        assert_eq!(served.as_deref(), Some(survivor.as_str()));
     }
+    // Every request is recorded where it ran, including those the picker named the dead one
+    // for first.
+    let recorded = poll(Duration::from_secs(10), || async {
+        let m = get_with(&c, &picker.url("/metrics"), &[]).await.text;
+        let ok = metric_sum(
+            &m,
+            "switchyard_requests_total",
+            &["outcome=\"ok\"", &survivor],
+        );
+        (ok == 4.0).then_some(())
+    })
+    .await;
+    assert!(
+        recorded.is_some(),
+        "requests recorded on the endpoint that served them"
+    );
 }
 
 #[tokio::test]

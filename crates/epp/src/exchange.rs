@@ -34,6 +34,8 @@ enum Stage {
     Request,
     /// Routed; the engine's answer is awaited or passing.
     Routed {
+        /// The routing result (its decision makes the plan for the endpoint that served).
+        routed: Box<Routed>,
         /// The unified (or decode) request, watched once its response headers show success.
         guard: Option<RequestGuard>,
         /// The prefill leg of a disaggregated request (settled at the first byte).
@@ -130,7 +132,8 @@ impl Exchange {
                 let sse = headers
                     .get("content-type")
                     .is_some_and(|c| c.starts_with("text/event-stream"));
-                self.on_response_head(status, sse, h.end_of_stream);
+                let served = headers.get(messages::SERVED).map(String::as_str);
+                self.on_response_head(status, sse, served, h.end_of_stream);
                 vec![messages::response_headers_unchanged()]
             }
             Request::ResponseBody(b) => {
@@ -261,6 +264,7 @@ impl Exchange {
         let mut replies = vec![messages::routed(&pick.destination, &extra)];
         replies.extend(messages::request_body(&out_body, end_of_stream));
         self.stage = Stage::Routed {
+            routed: Box::new(routed),
             guard: Some(pick.guard),
             prefill: pick.prefill_guard,
             watch: None,
@@ -337,8 +341,15 @@ impl Exchange {
 
     /// The engine's response head: a success is watched from here; an error settles the
     /// request as failed (and is passed to the client as it is).
-    fn on_response_head(&mut self, status: u16, sse: bool, end_of_stream: bool) {
+    fn on_response_head(
+        &mut self,
+        status: u16,
+        sse: bool,
+        served: Option<&str>,
+        end_of_stream: bool,
+    ) {
         let Stage::Routed {
+            routed,
             guard,
             prefill,
             watch,
@@ -361,6 +372,30 @@ impl Exchange {
             return;
         };
         g.set_awaiting_head(false);
+        // The proxy fell back to another endpoint of the list: the request is recorded where it
+        // ran, so the router learns about the right instance.
+        if let Some(served) = served.filter(|s| *s != g.backend.base.authority().as_str()) {
+            let backend = {
+                let brain = self.gw.brain.lock();
+                brain
+                    .by_name
+                    .values()
+                    .find(|b| b.base.authority().as_str() == served)
+                    .cloned()
+            };
+            if let Some(backend) = backend {
+                let rid = g.rid;
+                g.fail();
+                drop(g);
+                self.gw.observe(Observation::Routed {
+                    request: rid,
+                    instance: backend.id,
+                    plan: routed.plan_for(backend.id),
+                });
+                *predicted_cached = predicted(routed, backend.id);
+                g = RequestGuard::new(self.gw.clone(), rid, backend);
+            }
+        }
         if !(200..300).contains(&status) {
             if status >= 500 || status == 429 {
                 let label = if status == 429 {

@@ -24,6 +24,9 @@ pub const LB_NAMESPACE: &str = "envoy.lb";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// Key of the subset hint: the endpoints the proxy allows for this request.
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+/// The endpoint that served the request, in the response headers when the proxy adds it
+/// (`%UPSTREAM_HOST%`): after a fallback it differs from the first endpoint named.
+pub const SERVED: &str = "x-gateway-destination-endpoint-served";
 /// The prefill endpoint of a disaggregated request, for the decode pod's sidecar (llm-d).
 pub const PREFILLER: &str = "x-prefiller-host-port";
 
