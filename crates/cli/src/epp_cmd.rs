@@ -107,6 +107,9 @@ pub struct EppArgs {
     /// Do not add `stream_options.include_usage` to streamed requests that lack it.
     #[arg(long)]
     pub no_usage_injection: bool,
+    /// Threads serving the gRPC streams (default: one per CPU, or TOKIO_WORKER_THREADS).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: Option<u16>,
 }
 
 /// The picker's settings from its flags.
@@ -172,9 +175,11 @@ pub fn settings(args: &EppArgs) -> Result<EppSettings> {
 /// Runs `switchyard epp`.
 pub fn run(args: EppArgs) -> Result<()> {
     let settings = settings(&args)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.worker_threads {
+        builder.worker_threads(usize::from(n));
+    }
+    let runtime = builder.enable_all().build()?;
     runtime.block_on(async move {
         let signal = switchyard_emulator::shutdown_signal()?;
         let epp = switchyard_epp::start(settings).await?;

@@ -15,6 +15,7 @@
 //! router.observe(Observation::Finished(RequestId(1), None), 1.0).unwrap();
 //! # let _ = a;
 //! ```
+#![warn(missing_docs)]
 
 pub mod config;
 pub mod decision;

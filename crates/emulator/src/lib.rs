@@ -19,6 +19,7 @@
 //!   [`pd`]. KV events over ZeroMQ in vLLM's format: [`kv_events`].
 //! * Errors: vLLM's `{"error": {...}}` shape ([`errors`]).
 //! * [`fidelity`] measures the emulator through HTTP against the model.
+#![warn(missing_docs)]
 
 pub mod admin;
 pub mod chat_template;

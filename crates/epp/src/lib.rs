@@ -8,6 +8,7 @@
 //! Where things happen: the gRPC service in [`service`], one request's exchange in
 //! [`exchange`], the messages sent back in [`messages`]. The fleet (backends, health checks,
 //! scrapes, the fleet file) is the gateway's ([`switchyard_gateway::launch`]).
+#![warn(missing_docs)]
 
 pub mod exchange;
 pub mod messages;
@@ -25,6 +26,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 pub use exchange::BodyWatch;
 use service::Picker;
@@ -130,7 +132,11 @@ pub async fn start(settings: EppSettings) -> Result<RunningEpp, EppError> {
     tasks.push(tokio::spawn(async move {
         tonic::transport::Server::builder()
             .add_service(picker)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), shutdown)
+            // Small messages both ways on one connection: Nagle would hold each answer back.
+            .serve_with_incoming_shutdown(
+                TcpIncoming::from(grpc).with_nodelay(Some(true)),
+                shutdown,
+            )
             .await
             .map_err(|e| EppError::Serve(format!("ext_proc: {e}")))
     }));

@@ -17,6 +17,7 @@
 //!   metrics in [`metrics`]; the shared state and the router lock in [`state`].
 //!
 //! The router is held in a mutex only for `route` / `observe`, never across an await.
+#![warn(missing_docs)]
 
 pub mod admin;
 pub mod admission;

