@@ -714,6 +714,62 @@ mod tests {
     const CHUNK: &str = "data: {\"id\":\"x\",\"choices\":[{\"index\":0,\"text\":\"hi\"}]}\n\n";
     const DONE: &str = "data: [DONE]\n\n";
 
+    proptest::proptest! {
+        /// However the engine's stream is cut into chunks, the scanner passes on the same bytes
+        /// (all of them, or all but the usage-only chunk it strips), finds the usage, and sees
+        /// `[DONE]` exactly when it was sent.
+        #[test]
+        fn any_split_of_a_stream_scans_the_same(
+            texts in proptest::collection::vec("[a-z \\[\\]\\n]{0,12}", 0..6),
+            with_usage in proptest::bool::ANY,
+            with_done in proptest::bool::ANY,
+            crlf in proptest::bool::ANY,
+            cuts in proptest::collection::vec(0usize..400, 0..12),
+            strip in proptest::bool::ANY,
+        ) {
+            let sep = if crlf { "\r\n\r\n" } else { "\n\n" };
+            let mut kept = String::new();
+            for t in &texts {
+                let json = serde_json::json!({"choices": [{"index": 0, "text": t}]});
+                kept.push_str(&format!("data: {json}{sep}"));
+            }
+            let usage = format!(
+                "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":10,\"completion_tokens\":3,\"prompt_tokens_details\":{{\"cached_tokens\":8}}}}}}{sep}"
+            );
+            let done = format!("data: [DONE]{sep}");
+            let mut stream = kept.clone();
+            if with_usage {
+                stream.push_str(&usage);
+            }
+            if with_done {
+                stream.push_str(&done);
+                kept.push_str(&done);
+            }
+            // Only the usage chunk we asked for is ever removed.
+            if !(with_usage && strip) {
+                kept = stream.clone();
+            }
+            let bytes = stream.as_bytes();
+            let mut points: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+            points.sort_unstable();
+            points.dedup();
+            let mut scanner = SseScanner::new(strip);
+            let mut out = Vec::new();
+            let mut from = 0;
+            for p in points.into_iter().chain([bytes.len()]) {
+                out.extend_from_slice(&scanner.feed(Bytes::copy_from_slice(&bytes[from..p])));
+                from = p;
+            }
+            out.extend_from_slice(&scanner.finish());
+            proptest::prop_assert_eq!(String::from_utf8(out).unwrap(), kept);
+            proptest::prop_assert_eq!(scanner.usage.is_some(), with_usage);
+            if with_usage {
+                proptest::prop_assert_eq!(scanner.usage.unwrap().cached_tokens, Some(8));
+            }
+            proptest::prop_assert_eq!(scanner.done, with_done);
+        }
+    }
+
     #[test]
     fn the_done_terminator_is_seen_even_when_split() {
         let mut s = SseScanner::new(false);
