@@ -1,6 +1,6 @@
 //! `switchyard route`: what the router would decide for one request against a described fleet.
 //!
-//! A dry run of the routing brain, for checking a fleet file and a policy's reasoning without
+//! A dry run of the routing registry, for checking a fleet file and a policy's reasoning without
 //! any engine running.
 
 use std::borrow::Cow;

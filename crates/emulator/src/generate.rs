@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::chat_template;
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::openai::{
     self, finish_reason_str, ChatRequest, CommonFields, CompletionRequest, Kind, PromptInput,
     ResponseMeta, Usage,

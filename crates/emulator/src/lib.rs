@@ -10,22 +10,22 @@
 //!   ([`generate`]); `GET /v1/models`, `GET /health`, `GET /metrics`,
 //!   `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`,
 //!   `POST /tokenize`, `POST /detokenize`, `POST /v1/completions/render`,
-//!   `POST /v1/chat/completions/render` ([`admin`]); `GET /health_generate`,
+//!   `POST /v1/chat/completions/render` ([`info`]); `GET /health_generate`,
 //!   `/get_server_info`, `/server_info`, `/get_model_info`, `/get_load`
 //!   ([`sglang`]).
 //! * Chat prompts are rendered by the fixed template in [`chat_template`]
 //!   and tokenized with `switchyard_engine::tokenizer`.
 //! * Disaggregation (vLLM NixlConnector params, SGLang bootstrap fields):
 //!   [`pd`]. KV events over ZeroMQ in vLLM's format: [`kv_events`].
-//! * Errors: vLLM's `{"error": {...}}` shape ([`errors`]).
+//! * Errors: vLLM's `{"error": {...}}` shape ([`error`]).
 //! * [`fidelity`] measures the emulator through HTTP against the model.
 #![warn(missing_docs)]
 
-pub mod admin;
 pub mod chat_template;
-pub mod errors;
+pub mod error;
 pub mod fidelity;
 pub mod generate;
+pub mod info;
 pub mod kv_events;
 pub mod metrics;
 pub mod openai;

@@ -9,7 +9,7 @@
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::errors::ApiError;
+use crate::error::ApiError;
 
 /// `stream_options` of a request.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]

@@ -35,7 +35,7 @@
 use serde_json::{json, Value};
 use switchyard_engine::{KvTransfer, RequestMode, Role};
 
-use crate::errors::ApiError;
+use crate::error::ApiError;
 
 /// What the PD fields of a request ask for.
 #[derive(Debug, Clone, PartialEq)]

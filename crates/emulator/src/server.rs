@@ -17,12 +17,12 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::kv_events::{self, KvEventsError, PublisherConfig};
 use crate::metrics::Metrics;
 use crate::pd::Advertised;
 use crate::runner::{self, EngineHandle};
-use crate::{admin, generate, sglang};
+use crate::{generate, info, sglang};
 
 /// Everything needed to run one emulated engine server.
 #[derive(Debug, Clone)]
@@ -127,17 +127,17 @@ pub fn router(state: SharedState, max_body_bytes: usize) -> Router {
     Router::new()
         .route("/v1/completions", post(generate::completions))
         .route("/v1/chat/completions", post(generate::chat_completions))
-        .route("/v1/completions/render", post(admin::render_completion))
-        .route("/v1/chat/completions/render", post(admin::render_chat))
-        .route("/v1/models", get(admin::models))
-        .route("/health", get(admin::health))
-        .route("/ping", get(admin::health))
-        .route("/version", get(admin::version))
-        .route("/metrics", get(admin::metrics))
-        .route("/v1/load_lora_adapter", post(admin::load_lora))
-        .route("/v1/unload_lora_adapter", post(admin::unload_lora))
-        .route("/tokenize", post(admin::tokenize))
-        .route("/detokenize", post(admin::detokenize))
+        .route("/v1/completions/render", post(info::render_completion))
+        .route("/v1/chat/completions/render", post(info::render_chat))
+        .route("/v1/models", get(info::models))
+        .route("/health", get(info::health))
+        .route("/ping", get(info::health))
+        .route("/version", get(info::version))
+        .route("/metrics", get(info::metrics))
+        .route("/v1/load_lora_adapter", post(info::load_lora))
+        .route("/v1/unload_lora_adapter", post(info::unload_lora))
+        .route("/tokenize", post(info::tokenize))
+        .route("/detokenize", post(info::detokenize))
         .route("/health_generate", get(sglang::health_generate))
         .route("/get_server_info", get(sglang::server_info))
         .route("/server_info", get(sglang::server_info))

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use switchyard_engine::Role;
 
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::server::SharedState;
 
 /// `GET /health_generate`: SGLang runs a one-token generation; the emulator's

@@ -20,7 +20,7 @@ pub fn done() -> Bytes {
 
 /// Frame an error that happens mid-stream (vLLM sends the error object as a
 /// data event, then `[DONE]`).
-pub fn error_event(err: &crate::errors::ApiError) -> Bytes {
+pub fn error_event(err: &crate::error::ApiError) -> Bytes {
     match serde_json::to_value(err.body()) {
         Ok(v) => event(&v),
         // Serializing a plain struct of strings cannot fail; keep a fallback anyway.
@@ -41,7 +41,7 @@ mod tests {
 
     #[test]
     fn error_event_is_json() {
-        let b = error_event(&crate::errors::ApiError::bad_request("x"));
+        let b = error_event(&crate::error::ApiError::bad_request("x"));
         let s = std::str::from_utf8(&b).unwrap();
         assert!(s.starts_with("data: {\"error\""));
         assert!(s.ends_with("\n\n"));

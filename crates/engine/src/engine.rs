@@ -15,10 +15,10 @@
 
 use crate::config::{ConfigError, EngineConfig};
 use crate::events::{EngineEvent, KvEvent};
+use crate::fast_forward::Run;
 use crate::lora::AdapterError;
 use crate::metrics::EngineMetrics;
 use crate::request::{EngineRequest, RequestId, SubmitError};
-use crate::run::Run;
 use crate::scheduler::Scheduler;
 
 /// What the GPU is computing.

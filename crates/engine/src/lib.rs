@@ -82,13 +82,13 @@ mod block_index;
 pub mod config;
 mod engine;
 pub mod events;
+mod fast_forward;
 mod kv_cache;
 mod lora;
 pub mod metrics;
 mod prefetch;
 pub mod profile;
 pub mod request;
-mod run;
 mod scheduler;
 mod seq;
 #[cfg(test)]

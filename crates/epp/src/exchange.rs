@@ -10,7 +10,7 @@ use bytes::{Bytes, BytesMut};
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use switchyard_core::{InstanceId, Observation};
-use switchyard_gateway::errors::ApiError;
+use switchyard_gateway::error::ApiError;
 use switchyard_gateway::proxy::{self, Endpoint, Routed};
 use switchyard_gateway::stream::{RequestGuard, ResponseWatch};
 use switchyard_gateway::{parse, Gateway};
@@ -182,7 +182,7 @@ impl Exchange {
     fn without_body(&mut self) -> Vec<ProcessingResponse> {
         let path = self.path.split('?').next().unwrap_or_default();
         if self.method == "GET" && path == "/v1/models" {
-            let listing = self.gw.brain.lock().listing();
+            let listing = self.gw.registry.lock().listing();
             let created = self.gw.started_unix();
             let data: Vec<_> = listing
                 .into_iter()
@@ -288,14 +288,14 @@ impl Exchange {
             // The decode pod is the destination; its sidecar runs the prefill on the pod named
             // in `x-prefiller-host-port` (llm-d's protocol).
             let d = decision?;
-            let brain = self.gw.brain.lock();
+            let registry = self.gw.registry.lock();
             let decode: Vec<_> = d.decode[..d.decode_eligible]
                 .iter()
-                .filter_map(|c| brain.backend(c.instance).cloned())
+                .filter_map(|c| registry.backend(c.instance).cloned())
                 .filter(|b| allowed(b.base.authority().as_ref()))
                 .take(self.gw.settings.max_retries as usize + 1)
                 .collect();
-            drop(brain);
+            drop(registry);
             let prefill = routed.candidates.first()?.clone();
             let first = decode.first()?.clone();
             let destination = join(decode.iter().map(|b| b.base.authority().to_string()));
@@ -376,8 +376,8 @@ impl Exchange {
         // ran, so the router learns about the right instance.
         if let Some(served) = served.filter(|s| *s != g.backend.base.authority().as_str()) {
             let backend = {
-                let brain = self.gw.brain.lock();
-                brain
+                let registry = self.gw.registry.lock();
+                registry
                     .by_name
                     .values()
                     .find(|b| b.base.authority().as_str() == served)

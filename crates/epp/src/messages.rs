@@ -14,7 +14,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingResponse, StreamedBodyResponse, TrailersResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
-use switchyard_gateway::errors::ApiError;
+use switchyard_gateway::error::ApiError;
 
 /// The header (and `envoy.lb` metadata key) naming the picked endpoints, `ip:port[,ip:port…]`.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";

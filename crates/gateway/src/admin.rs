@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::proxy;
 use crate::server::{echo_id, with_id, Shared};
 use crate::state::Gateway;
@@ -46,11 +46,11 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
         return proxy::reject(&gw, e, &id);
     }
     let now = gw.now();
-    let brain = gw.brain.lock();
-    let router = &brain.router;
+    let registry = gw.registry.lock();
+    let router = &registry.router;
     let stale = router.config().estimates.metrics_stale_after_s;
     let mut backends = Vec::new();
-    for b in brain.by_name.values() {
+    for b in registry.by_name.values() {
         let instance = router.fleet().get(b.id);
         let load = instance.map(|i| {
             json!({
@@ -78,14 +78,14 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
             "labels": b.spec.labels,
             "kind": b.kind(),
             "health": b.core_health(),
-            "leaving": brain.leaving.contains(b.name()),
+            "leaving": registry.leaving.contains(b.name()),
             "gateway_in_flight": b.in_flight(),
             "router_load": load,
             "engine": engine,
             "learned": router.learned(b.id),
         }));
     }
-    let pending: Vec<&String> = brain.pending.keys().collect();
+    let pending: Vec<&String> = registry.pending.keys().collect();
     let body = json!({
         "policy": router.policy_name(),
         "router_in_flight": router.in_flight_len(),
@@ -93,7 +93,7 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
         "backends": backends,
         "pending_discovery": pending,
     });
-    drop(brain);
+    drop(registry);
     with_id(axum::Json(body).into_response(), id)
 }
 
@@ -108,7 +108,7 @@ fn set_draining(gw: &Gateway, headers: &HeaderMap, name: PathArg, on: bool) -> R
         Err(e) => return proxy::reject(gw, ApiError::bad_path(e.body_text()), &id),
     };
     let name = name.as_str();
-    let backend = gw.brain.lock().by_name.get(name).cloned();
+    let backend = gw.registry.lock().by_name.get(name).cloned();
     let Some(backend) = backend else {
         return proxy::reject(gw, ApiError::unknown_backend(name), &id);
     };
@@ -148,7 +148,7 @@ pub async fn policy(State(gw): Shared, headers: HeaderMap, body: Bytes) -> Respo
         Ok(p) => p,
         Err(e) => return proxy::reject(&gw, ApiError::malformed(e), &id),
     };
-    let result = gw.brain.lock().router.set_policy(&wanted.policy);
+    let result = gw.registry.lock().router.set_policy(&wanted.policy);
     match result {
         Ok(()) => {
             tracing::info!(policy = %wanted.policy, "policy switched");

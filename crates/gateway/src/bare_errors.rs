@@ -12,7 +12,7 @@ use std::task::{ready, Context, Poll};
 
 use hyper::rt::{Read, ReadBufCursor, Write};
 
-use crate::errors::ApiError;
+use crate::error::ApiError;
 
 /// A client connection whose hyper-made error answers carry an OpenAI error body.
 pub struct ShapedErrors<T> {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use crate::backends::{BackendSpec, BaseUrl};
-use crate::fleet;
+use crate::membership;
 use crate::state::Gateway;
 
 /// `/v1/models` as engines answer it.
@@ -50,7 +50,7 @@ pub async fn discover_then_join(gw: Arc<Gateway>, configured: BackendSpec) {
     };
     let mut logged = false;
     loop {
-        if gw.brain.lock().pending.get(&configured.name) != Some(&configured) {
+        if gw.registry.lock().pending.get(&configured.name) != Some(&configured) {
             return;
         }
         let answer = gw
@@ -69,7 +69,7 @@ pub async fn discover_then_join(gw: Arc<Gateway>, configured: BackendSpec) {
                 if spec.adapters.is_empty() {
                     spec.adapters = adapters;
                 }
-                if let Err(e) = fleet::join(&gw, configured, spec, true) {
+                if let Err(e) = membership::join(&gw, configured, spec, true) {
                     tracing::warn!("discovery: {e}");
                 }
                 return;

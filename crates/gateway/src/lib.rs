@@ -7,18 +7,19 @@
 //!   client disconnect);
 //! * saturated requests wait in [`admission`]; disaggregated ones (prefill and decode on
 //!   different instances) are orchestrated in [`pd`];
-//! * backends are described in [`backends`] and [`config`], join and leave in [`fleet`]
+//! * backends are described in [`backends`] and [`config`], join and leave in [`membership`]
 //!   (models found by [`discovery`], fleet file reloads in [`watch`]);
 //! * engines are scraped in [`scrape`] (Prometheus text parsed by [`promtext`]) and checked in
-//!   [`health`]; LoRA adapters are loaded and unloaded by demand in [`placement`];
+//!   [`health`]; LoRA adapters are loaded and unloaded by demand in [`adapter_loader`];
 //! * a request's `model` is resolved (aliases, adapters, the single-model fallback) in
 //!   [`models`];
-//! * HTTP routes are in [`server`] and [`admin`], errors in [`errors`], the gateway's own
+//! * HTTP routes are in [`server`] and [`admin`], errors in [`error`], the gateway's own
 //!   metrics in [`metrics`]; the shared state and the router lock in [`state`].
 //!
 //! The router is held in a mutex only for `route` / `observe`, never across an await.
 #![warn(missing_docs)]
 
+pub mod adapter_loader;
 pub mod admin;
 pub mod admission;
 pub mod backends;
@@ -26,15 +27,14 @@ pub mod bare_errors;
 pub mod config;
 pub mod discovery;
 pub mod drain;
-pub mod errors;
-pub mod fleet;
+pub mod error;
 pub mod health;
 mod json;
+pub mod membership;
 pub mod metrics;
 pub mod models;
 pub mod parse;
 pub mod pd;
-pub mod placement;
 pub mod promtext;
 pub mod proxy;
 pub mod scrape;
@@ -126,13 +126,13 @@ pub fn launch(settings: Settings) -> Result<Fleet, GatewayError> {
     all.extend(file.iter().flat_map(|f| f.backends.iter().cloned()));
     backends::check_unique(&all).map_err(|e| GatewayError::Config(e.to_string()))?;
     let gw = Gateway::new(settings, router);
-    gw.brain.lock().set_aliases(aliases);
+    gw.registry.lock().set_aliases(aliases);
     for spec in gw.settings.backends.clone() {
-        fleet::add(&gw, spec);
+        membership::add(&gw, spec);
     }
     let watcher = match (&gw.settings.fleet_file, file) {
         (Some(path), Some(file)) => {
-            fleet::apply_file(&gw, file.backends);
+            membership::apply_file(&gw, file.backends);
             Some(watch::watch(gw.clone(), path.clone())?)
         }
         _ => None,
@@ -173,7 +173,7 @@ pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
         .router
         .placement
         .enabled
-        .then(|| tokio::spawn(placement::run(gw.clone())));
+        .then(|| tokio::spawn(adapter_loader::run(gw.clone())));
     Ok(RunningGateway {
         addr,
         gateway: gw,

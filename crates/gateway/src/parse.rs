@@ -12,7 +12,7 @@ use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use switchyard_core::{ChatMessage, Phase, Prompt, RouteRequest};
 
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::json::Scanner;
 
 /// A completion prompt as the router sees it.

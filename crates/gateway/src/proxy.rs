@@ -19,7 +19,7 @@ use switchyard_core::{
 };
 
 use crate::backends::Backend;
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::health;
 use crate::parse::{self, ParsedRequest};
 use crate::state::{Gateway, Target};
@@ -163,13 +163,13 @@ fn route_once(
     rid: RequestId,
 ) -> Result<RouteStep, ApiError> {
     let max = gw.settings.max_retries as usize + 1;
-    let mut guard = gw.brain.lock();
+    let mut guard = gw.registry.lock();
     // One clock read for the router's time and the decision timer.
     let t0 = Instant::now();
     let now = gw.seconds_at(t0);
-    let brain = &mut *guard;
+    let registry = &mut *guard;
     let mut candidates: Vec<Arc<Backend>> = Vec::with_capacity(max);
-    let decision = brain.route(
+    let decision = registry.route(
         parsed,
         &prepared.target,
         &prepared.prompt,
@@ -190,14 +190,14 @@ fn route_once(
         decision
             .ranked_candidates()
             .take(max)
-            .filter_map(|c| brain.backend(c.instance).cloned()),
+            .filter_map(|c| registry.backend(c.instance).cloned()),
     );
     let Some(first) = candidates.first().map(|b| b.id) else {
         return Ok(RouteStep::NoBackend);
     };
     let explain = gw.settings.debug_header.then(|| {
         decision.explain_with(3, |id| {
-            brain
+            registry
                 .backend(id)
                 .map_or_else(|| "?".to_string(), |b| b.name().to_string())
         })
@@ -212,7 +212,7 @@ fn route_once(
         upstream_model: prepared.target.upstream_model.clone(),
     };
     let plan = routed.plan_for(first);
-    brain.observe(
+    registry.observe(
         Observation::Routed {
             request: rid,
             instance: first,
@@ -237,7 +237,7 @@ pub async fn route(
         RequestKind::Generate
     };
     // A short hold of the lock to resolve the name; the prompt is hashed without it.
-    let target = gw.brain.lock().target(&parsed.model)?;
+    let target = gw.registry.lock().target(&parsed.model)?;
     let prompt = target.prepare(parsed, kind, gw.block_bytes);
     let prepared = Prepared {
         target,

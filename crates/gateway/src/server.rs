@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use crate::admin;
 use crate::bare_errors::ShapedErrors;
 use crate::drain::{self, Activity};
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::proxy::{self, Endpoint, REQUEST_ID};
 use crate::state::Gateway;
 
@@ -263,7 +263,7 @@ async fn models(State(gw): Shared, headers: HeaderMap) -> Response {
     if !proxy::authorised(&gw, &headers) {
         return proxy::reject(&gw, ApiError::unauthorized(), &id);
     }
-    let listing = gw.brain.lock().listing();
+    let listing = gw.registry.lock().listing();
     let data: Vec<_> = listing
         .into_iter()
         .map(|(name, (root, parent))| {
@@ -286,13 +286,13 @@ async fn models(State(gw): Shared, headers: HeaderMap) -> Response {
 /// `GET /health`: 200 while some backend takes traffic, else 503 (and 503 once shutting down).
 async fn health(State(gw): Shared) -> Response {
     let (total, healthy) = {
-        let brain = gw.brain.lock();
-        let healthy = brain
+        let registry = gw.registry.lock();
+        let healthy = registry
             .by_name
             .values()
             .filter(|b| b.core_health() == switchyard_core::Health::Healthy)
             .count();
-        (brain.by_name.len(), healthy)
+        (registry.by_name.len(), healthy)
     };
     let ok = healthy > 0 && !gw.is_shutting_down();
     let status = if ok {

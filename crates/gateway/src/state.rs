@@ -22,7 +22,7 @@ use crate::parse::ParsedRequest;
 use crate::upstream::Upstream;
 
 /// What lives behind the lock: the router and the backends it knows, indexed by slot.
-pub struct Brain {
+pub struct Registry {
     /// The routing core.
     pub router: Router,
     /// Backends by the router's slot.
@@ -38,7 +38,7 @@ pub struct Brain {
     /// Names the fleet file listed at its last load.
     pub from_file: HashSet<String>,
     /// Dynamic adapter placement (`--dynamic-lora-placement`): demand and what it changed.
-    pub placement: Option<crate::placement::PlacementState>,
+    pub placement: Option<crate::adapter_loader::PlacementState>,
     /// Model aliases (flags and fleet file merged): alias -> target.
     aliases: HashMap<String, String>,
     /// `--strict-models`: no single-model fallback.
@@ -47,10 +47,10 @@ pub struct Brain {
     fallback_log: FallbackLog,
 }
 
-impl Brain {
+impl Registry {
     /// An empty fleet around `router`.
     pub fn new(router: Router) -> Self {
-        Brain {
+        Registry {
             router,
             slots: Vec::new(),
             by_name: BTreeMap::new(),
@@ -293,7 +293,7 @@ fn note_fallback(log: &mut FallbackLog, requested: &str, model: &str) {
 /// The gateway: everything handlers and background tasks share.
 pub struct Gateway {
     /// Router and backends; held only for route/observe, never across an await.
-    pub brain: Mutex<Brain>,
+    pub registry: Mutex<Registry>,
     /// Settings in force.
     pub settings: Settings,
     /// Clients to the engines.
@@ -318,25 +318,25 @@ impl Gateway {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos() ^ (d.as_secs() as u32))
             .unwrap_or(0);
-        let mut brain = Brain::new(router);
+        let mut registry = Registry::new(router);
         // The flags' aliases; `start` merges in the fleet file's and checks them together.
-        brain.set_aliases(
+        registry.set_aliases(
             settings
                 .model_aliases
                 .iter()
                 .map(|(a, t)| (a.clone(), t.clone()))
                 .collect(),
         );
-        brain.set_strict_models(settings.strict_models);
+        registry.set_strict_models(settings.strict_models);
         if settings.router.placement.enabled {
-            brain.placement = Some(crate::placement::PlacementState::new(
+            registry.placement = Some(crate::adapter_loader::PlacementState::new(
                 settings.router.placement.clone(),
             ));
         }
-        let block_bytes = brain.router.block_bytes();
+        let block_bytes = registry.router.block_bytes();
         Arc::new(Gateway {
             block_bytes,
-            brain: Mutex::new(brain),
+            registry: Mutex::new(registry),
             upstream: Upstream::new(settings.connect_timeout),
             metrics: Metrics::new(),
             admission: Admission::default(),
@@ -396,9 +396,9 @@ impl Gateway {
         let now = self.now();
         let mut predictions = Vec::new();
         {
-            let mut brain = self.brain.lock();
-            brain.observe(observation, now);
-            brain.router.take_predictions(&mut predictions);
+            let mut registry = self.registry.lock();
+            registry.observe(observation, now);
+            registry.router.take_predictions(&mut predictions);
         }
         for p in predictions {
             match p {
@@ -422,12 +422,12 @@ impl Gateway {
     pub fn sync_health(&self, backend: &Backend) {
         let want = backend.core_health();
         let now = self.now();
-        let mut brain = self.brain.lock();
-        let current = brain.router.fleet().get(backend.id).map(|i| i.health);
+        let mut registry = self.registry.lock();
+        let current = registry.router.fleet().get(backend.id).map(|i| i.health);
         if current.is_some() && current != Some(want) {
-            brain.observe(Observation::HealthChanged(backend.id, want), now);
+            registry.observe(Observation::HealthChanged(backend.id, want), now);
         }
-        drop(brain);
+        drop(registry);
         // A readmitted backend may clear saturation.
         self.admission.wake();
     }
@@ -449,8 +449,8 @@ mod tests {
     use super::*;
     use crate::metrics::BackendMetrics;
 
-    fn brain(backends: &[(&str, &str, &[&str])]) -> Brain {
-        let mut brain = Brain::new(Router::new(Default::default()).unwrap());
+    fn registry(backends: &[(&str, &str, &[&str])]) -> Registry {
+        let mut registry = Registry::new(Router::new(Default::default()).unwrap());
         for (name, model, adapters) in backends {
             let spec = BackendSpec {
                 name: name.to_string(),
@@ -459,11 +459,11 @@ mod tests {
                 adapters: adapters.iter().map(|a| a.to_string()).collect(),
                 ..BackendSpec::default()
             };
-            let id = brain.router.add_instance(spec.instance_spec()).unwrap();
+            let id = registry.router.add_instance(spec.instance_spec()).unwrap();
             let b = Backend::new(spec.clone(), spec, id, BackendMetrics::detached()).unwrap();
-            brain.insert(Arc::new(b));
+            registry.insert(Arc::new(b));
         }
-        brain
+        registry
     }
 
     fn aliases(pairs: &[(&str, &str)]) -> HashMap<String, String> {
@@ -473,18 +473,22 @@ mod tests {
             .collect()
     }
 
-    fn route(brain: &mut Brain, model: &str) -> Result<Option<String>, ModelError> {
+    fn route(registry: &mut Registry, model: &str) -> Result<Option<String>, ModelError> {
         let body = format!(r#"{{"model":"{model}","prompt":"hi"}}"#);
         let parsed = crate::parse::parse(body.as_bytes(), None).unwrap();
-        let target = brain.target(&parsed.model)?;
-        let prompt = target.prepare(&parsed, RequestKind::Generate, brain.router.block_bytes());
-        brain.route(&parsed, &target, &prompt, RequestKind::Generate, 0.0)?;
+        let target = registry.target(&parsed.model)?;
+        let prompt = target.prepare(
+            &parsed,
+            RequestKind::Generate,
+            registry.router.block_bytes(),
+        );
+        registry.route(&parsed, &target, &prompt, RequestKind::Generate, 0.0)?;
         Ok(target.upstream_model)
     }
 
     #[test]
     fn routing_reports_the_model_to_send_upstream() {
-        let mut b = brain(&[("a", "llama", &["sql-lora"]), ("b", "qwen", &[])]);
+        let mut b = registry(&[("a", "llama", &["sql-lora"]), ("b", "qwen", &[])]);
         b.set_aliases(aliases(&[("gpt-4o", "qwen"), ("sql", "sql-lora")]));
         assert_eq!(route(&mut b, "qwen"), Ok(None));
         assert_eq!(route(&mut b, "sql-lora"), Ok(None));
@@ -512,7 +516,7 @@ mod tests {
 
     #[test]
     fn a_single_model_brain_falls_back_and_remembers_the_name() {
-        let mut b = brain(&[("a", "llama", &[]), ("b", "llama", &[])]);
+        let mut b = registry(&[("a", "llama", &[]), ("b", "llama", &[])]);
         assert_eq!(route(&mut b, "gpt-4o"), Ok(Some("llama".into())));
         assert_eq!(route(&mut b, "gpt-4o"), Ok(Some("llama".into())));
         assert_eq!(b.fallback_log.len(), 1);
@@ -525,7 +529,7 @@ mod tests {
 
     #[test]
     fn the_listing_shows_aliases_whose_target_is_served() {
-        let mut b = brain(&[("a", "llama", &["sql-lora"]), ("b", "qwen", &[])]);
+        let mut b = registry(&[("a", "llama", &["sql-lora"]), ("b", "qwen", &[])]);
         b.set_aliases(aliases(&[
             ("gpt-4o", "qwen"),
             ("sql", "sql-lora"),

@@ -12,7 +12,7 @@ use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
 use crate::config::load_fleet_file;
-use crate::fleet;
+use crate::membership;
 use crate::state::Gateway;
 
 /// A change is applied once no event came for this long.
@@ -61,8 +61,8 @@ pub fn reload(gw: &Arc<Gateway>, path: &std::path::Path) -> bool {
         });
     match loaded {
         Ok((specs, aliases)) => {
-            gw.brain.lock().set_aliases(aliases);
-            fleet::apply_file(gw, specs);
+            gw.registry.lock().set_aliases(aliases);
+            membership::apply_file(gw, specs);
             gw.metrics.reload(true);
             true
         }

@@ -13,7 +13,7 @@ use http_body_util::{BodyExt, Limited};
 use switchyard_core::Observation;
 
 use crate::backends::Backend;
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::proxy::{attempt, Routed};
 use crate::state::Gateway;
 use crate::stream::RequestGuard;

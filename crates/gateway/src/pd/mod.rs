@@ -30,7 +30,7 @@ use serde_json::{Map, Value};
 use switchyard_core::Observation;
 
 use crate::backends::{Backend, BackendSpec};
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::proxy::{reject, Routed};
 use crate::state::Gateway;
 
@@ -152,11 +152,11 @@ fn decode_candidates(gw: &Gateway, prefill: &Routed) -> Routed {
     let max = gw.settings.max_retries as usize + 1;
     let candidates: Vec<Arc<Backend>> = match &prefill.decision {
         Some(d) => {
-            let brain = gw.brain.lock();
+            let registry = gw.registry.lock();
             d.decode[..d.decode_eligible]
                 .iter()
                 .take(max)
-                .filter_map(|c| brain.backend(c.instance).cloned())
+                .filter_map(|c| registry.backend(c.instance).cloned())
                 .collect()
         }
         None => Vec::new(),

@@ -18,7 +18,7 @@ use serde_json::{json, Map, Value};
 
 use super::leg::{Leg, Try};
 use super::{name_prefill, Request};
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::proxy::{reject, respond, Routed};
 use crate::state::Gateway;
 use crate::stream::{read_usage, RequestGuard};

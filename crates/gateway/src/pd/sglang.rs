@@ -29,7 +29,7 @@ use tokio::task::JoinHandle;
 use super::leg::{exhausted, Leg, Try};
 use super::{name_prefill, Request, DEFAULT_BOOTSTRAP_PORT};
 use crate::backends::Backend;
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::proxy::{reject, respond, Routed};
 use crate::state::Gateway;
 use crate::stream::{ObservedBody, RequestGuard};

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use switchyard_engine::tokenizer;
 
 use crate::chat_template;
-use crate::errors::ApiError;
+use crate::error::ApiError;
 use crate::generate::{self, body_error, Prepared};
 use crate::openai::{self, ChatMessage};
 use crate::runner::RunnerError;

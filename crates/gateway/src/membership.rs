@@ -13,7 +13,7 @@ use crate::{discovery, health, scrape};
 /// Adds a backend: at once when its models are known, else after discovery succeeds.
 pub fn add(gw: &Arc<Gateway>, spec: BackendSpec) {
     if spec.models.is_empty() {
-        gw.brain
+        gw.registry
             .lock()
             .pending
             .insert(spec.name.clone(), spec.clone());
@@ -35,24 +35,24 @@ pub fn join(
     from_discovery: bool,
 ) -> Result<Arc<Backend>, String> {
     let metrics = gw.metrics.for_backend(&spec.name);
-    let mut brain = gw.brain.lock();
-    if from_discovery && brain.pending.get(&spec.name) != Some(&configured) {
+    let mut registry = gw.registry.lock();
+    if from_discovery && registry.pending.get(&spec.name) != Some(&configured) {
         return Err(format!("`{}` left the fleet during discovery", spec.name));
     }
-    brain.pending.remove(&spec.name);
-    let id = brain
+    registry.pending.remove(&spec.name);
+    let id = registry
         .router
         .add_instance(spec.instance_spec())
         .map_err(|e| e.to_string())?;
     let backend = match Backend::new(configured, spec, id, metrics) {
         Ok(b) => Arc::new(b),
         Err(e) => {
-            brain.observe(Observation::InstanceRemoved(id), gw.now());
+            registry.observe(Observation::InstanceRemoved(id), gw.now());
             return Err(e.to_string());
         }
     };
-    brain.insert(backend.clone());
-    drop(brain);
+    registry.insert(backend.clone());
+    drop(registry);
     tracing::info!(
         backend = backend.name(),
         models = ?backend.spec.models,
@@ -68,13 +68,13 @@ pub fn join(
 /// Removes a backend now: the router forgets it; requests already streaming from it finish
 /// (they hold their own handle), their observations are dropped.
 pub fn evict(gw: &Gateway, name: &str) {
-    let mut brain = gw.brain.lock();
-    brain.pending.remove(name);
-    let Some(backend) = brain.take(name) else {
+    let mut registry = gw.registry.lock();
+    registry.pending.remove(name);
+    let Some(backend) = registry.take(name) else {
         return;
     };
-    brain.observe(Observation::InstanceRemoved(backend.id), gw.now());
-    drop(brain);
+    registry.observe(Observation::InstanceRemoved(backend.id), gw.now());
+    drop(registry);
     backend.mark_removed();
     gw.metrics.forget_backend(name);
     tracing::info!(backend = name, "backend removed");
@@ -83,15 +83,15 @@ pub fn evict(gw: &Gateway, name: &str) {
 /// Removes a backend gracefully: no new requests, then removal once its in-flight requests
 /// end or `timeout` passes.
 pub fn retire(gw: &Arc<Gateway>, name: &str, timeout: Duration) {
-    let mut brain = gw.brain.lock();
-    if brain.pending.remove(name).is_some() {
+    let mut registry = gw.registry.lock();
+    if registry.pending.remove(name).is_some() {
         return;
     }
-    let Some(backend) = brain.by_name.get(name).cloned() else {
+    let Some(backend) = registry.by_name.get(name).cloned() else {
         return;
     };
-    brain.leaving.insert(name.to_string());
-    drop(brain);
+    registry.leaving.insert(name.to_string());
+    drop(registry);
     backend.set_draining(true);
     gw.sync_health(&backend);
     let gw = gw.clone();
@@ -103,9 +103,9 @@ pub fn retire(gw: &Arc<Gateway>, name: &str, timeout: Duration) {
         }
         // Only if it was not re-added in the meantime.
         let still_leaving = {
-            let brain = gw.brain.lock();
-            brain.leaving.contains(&name)
-                && brain
+            let registry = gw.registry.lock();
+            registry.leaving.contains(&name)
+                && registry
                     .by_name
                     .get(&name)
                     .is_some_and(|b| Arc::ptr_eq(b, &backend))
@@ -125,18 +125,18 @@ pub fn apply_file(gw: &Arc<Gateway>, specs: Vec<BackendSpec>) {
     let mut to_replace = Vec::new();
     let mut to_undrain = Vec::new();
     {
-        let mut brain = gw.brain.lock();
+        let mut registry = gw.registry.lock();
         // Names a `--backend` already uses are not the file's to manage.
         let taken_by_flags = |name: &String| {
-            !brain.from_file.contains(name)
-                && (brain.by_name.contains_key(name) || brain.pending.contains_key(name))
+            !registry.from_file.contains(name)
+                && (registry.by_name.contains_key(name) || registry.pending.contains_key(name))
         };
         let names: std::collections::HashSet<String> = specs
             .iter()
             .map(|s| s.name.clone())
             .filter(|n| !taken_by_flags(n))
             .collect();
-        for old in brain.from_file.iter() {
+        for old in registry.from_file.iter() {
             if !names.contains(old) {
                 to_retire.push(old.clone());
             }
@@ -147,17 +147,17 @@ pub fn apply_file(gw: &Arc<Gateway>, specs: Vec<BackendSpec>) {
                 tracing::error!(backend = %spec.name, "fleet file entry ignored: a --backend has this name");
                 continue;
             }
-            if let Some(pending) = brain.pending.get(&spec.name) {
+            if let Some(pending) = registry.pending.get(&spec.name) {
                 if pending != spec {
                     to_replace.push(spec.clone());
                 }
                 continue;
             }
-            match brain.by_name.get(&spec.name) {
+            match registry.by_name.get(&spec.name) {
                 None => to_add.push(spec.clone()),
                 Some(b) => {
                     let same = b.configured == *spec;
-                    let leaving = brain.leaving.contains(&spec.name);
+                    let leaving = registry.leaving.contains(&spec.name);
                     if !same {
                         to_replace.push(spec.clone());
                     } else if leaving {
@@ -166,9 +166,9 @@ pub fn apply_file(gw: &Arc<Gateway>, specs: Vec<BackendSpec>) {
                 }
             }
         }
-        brain.from_file = names;
+        registry.from_file = names;
         for b in &to_undrain {
-            brain.leaving.remove(b.name());
+            registry.leaving.remove(b.name());
         }
     }
     for name in to_retire {

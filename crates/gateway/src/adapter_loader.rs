@@ -34,7 +34,7 @@ use crate::backends::Backend;
 use crate::state::Gateway;
 use crate::upstream::{classify, Failure};
 
-/// What placement knows and has changed, kept in the brain (under the router lock).
+/// What placement knows and has changed, kept in the registry (under the router lock).
 pub struct PlacementState {
     /// Demand, cooldowns, residency clocks and the plan.
     pub planner: Planner,
@@ -153,17 +153,17 @@ pub async fn run(gw: Arc<Gateway>) {
 /// One plan under the lock: the fleet as placement sees it, and the demand per adapter.
 fn plan(gw: &Gateway) -> (Vec<PlacementAction>, Vec<(String, f64)>) {
     let now = gw.now();
-    let mut guard = gw.brain.lock();
+    let mut guard = gw.registry.lock();
     let catalog = guard.catalog();
-    let brain = &mut *guard;
-    let Some(state) = brain.placement.as_mut() else {
+    let registry = &mut *guard;
+    let Some(state) = registry.placement.as_mut() else {
         return (Vec::new(), Vec::new());
     };
-    let fleet = brain.router.fleet();
-    let instances: Vec<InstanceView> = brain
+    let fleet = registry.router.fleet();
+    let instances: Vec<InstanceView> = registry
         .by_name
         .values()
-        .filter(|b| !brain.leaving.contains(b.name()))
+        .filter(|b| !registry.leaving.contains(b.name()))
         .filter_map(|b| {
             let i = fleet.get(b.id)?;
             Some(InstanceView {
@@ -204,7 +204,7 @@ async fn execute(gw: &Arc<Gateway>, actions: Vec<PlacementAction>) {
         }
         let adapter = action.adapter().to_string();
         let name = action.instance().to_string();
-        let backend = gw.brain.lock().by_name.get(&name).cloned();
+        let backend = gw.registry.lock().by_name.get(&name).cloned();
         let Some(backend) = backend else {
             tracing::debug!(backend = %name, adapter = %adapter, "placement: backend left");
             continue;
@@ -227,7 +227,7 @@ async fn execute(gw: &Arc<Gateway>, actions: Vec<PlacementAction>) {
             }
         };
         let now = gw.now();
-        if let Some(state) = gw.brain.lock().placement.as_mut() {
+        if let Some(state) = gw.registry.lock().placement.as_mut() {
             state.planner.applied(&action, ok, now);
         }
         gw.metrics.placement(&name, &adapter, action.kind(), ok);
@@ -267,19 +267,19 @@ async fn load(gw: &Gateway, backend: &Backend, adapter: &str) -> bool {
             "placement: adapter loaded"
         );
         let now = gw.now();
-        let mut guard = gw.brain.lock();
-        let brain = &mut *guard;
-        let current = brain.backend(backend.id).is_some();
-        if let Some(state) = brain.placement.as_mut() {
+        let mut guard = gw.registry.lock();
+        let registry = &mut *guard;
+        let current = registry.backend(backend.id).is_some();
+        if let Some(state) = registry.placement.as_mut() {
             state.mark_loaded(backend.name(), adapter);
         }
         if current {
-            brain.observe(
+            registry.observe(
                 Observation::AdapterLoaded(backend.id, adapter.to_string()),
                 now,
             );
         }
-        brain.refresh_adapters();
+        registry.refresh_adapters();
     }
     ok
 }
@@ -289,18 +289,18 @@ async fn load(gw: &Gateway, backend: &Backend, adapter: &str) -> bool {
 async fn unload(gw: &Gateway, backend: &Backend, adapter: &str) -> bool {
     let was_loaded = {
         let now = gw.now();
-        let mut brain = gw.brain.lock();
-        let was = brain
+        let mut registry = gw.registry.lock();
+        let was = registry
             .placement
             .as_mut()
             .map(|s| s.mark_unloaded(backend.name(), adapter));
-        if was.is_some() && brain.backend(backend.id).is_some() {
-            brain.observe(
+        if was.is_some() && registry.backend(backend.id).is_some() {
+            registry.observe(
                 Observation::AdapterUnloaded(backend.id, adapter.to_string()),
                 now,
             );
         }
-        brain.refresh_adapters();
+        registry.refresh_adapters();
         was
     };
     let Some(was_loaded) = was_loaded else {
@@ -333,18 +333,18 @@ async fn unload(gw: &Gateway, backend: &Backend, adapter: &str) -> bool {
         );
     } else {
         let now = gw.now();
-        let mut brain = gw.brain.lock();
-        if let Some(state) = brain.placement.as_mut() {
+        let mut registry = gw.registry.lock();
+        if let Some(state) = registry.placement.as_mut() {
             state.restore(backend.name(), adapter, was_loaded);
         }
         // Still there: routable again (counted as a fresh load for the swap cooldown).
-        if brain.backend(backend.id).is_some() {
-            brain.observe(
+        if registry.backend(backend.id).is_some() {
+            registry.observe(
                 Observation::AdapterLoaded(backend.id, adapter.to_string()),
                 now,
             );
         }
-        brain.refresh_adapters();
+        registry.refresh_adapters();
     }
     ok
 }
