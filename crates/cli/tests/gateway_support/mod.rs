@@ -101,6 +101,11 @@ impl Proc {
             .expect("port")
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Sends SIGTERM.
     pub fn terminate(&self) {
         let status = Command::new("kill")
