@@ -741,3 +741,39 @@ async fn unparseable_requests_get_openai_errors() {
         assert_eq!(v["error"]["code"], code, "{body}");
     }
 }
+
+/// An engine that accepts requests and never answers, while its health checks pass, is ejected
+/// after `--eject-after` timed-out requests, as one answering 5xx is.
+#[tokio::test]
+async fn an_engine_that_never_answers_is_ejected() {
+    let steady = engine(&[]);
+    let hang = FakeEngine::start(Fake::Hang).await;
+    let gw = gateway(&[
+        "--backend",
+        &backend(&steady),
+        "--backend",
+        &hang.backend(),
+        "--policy",
+        "round-robin",
+        "--upstream-timeout",
+        "0.3",
+        "--eject-after",
+        "2",
+        // No health check readmits it during the test.
+        "--health-interval",
+        "60",
+    ]);
+    let c = client();
+    let url = gw.url("/v1/chat/completions");
+    let mut statuses = Vec::new();
+    for i in 0..8 {
+        statuses.push(post(&c, &url, &chat(&format!("hung {i}"), 2)).await.status);
+    }
+    assert_eq!(hang.hits(), 2, "{statuses:?}");
+    assert!(statuses[4..].iter().all(|&s| s == 200), "{statuses:?}");
+    assert_eq!(
+        statuses.iter().filter(|&&s| s == 504).count(),
+        2,
+        "{statuses:?}"
+    );
+}

@@ -473,6 +473,9 @@ pub(crate) async fn attempt(
             guard.set_awaiting_head(false);
             let response = match sent {
                 Err(_) => {
+                    // No answer in time is the engine's failure, as a 5xx is (a hung engine's
+                    // health checks may well pass): consecutive ones eject it.
+                    failed.push((backend, Blame::Timeout));
                     blame(gw, &failed, false);
                     backend.metrics.timeout.inc();
                     let secs = gw.settings.upstream_timeout.as_secs_f64();
@@ -543,6 +546,8 @@ enum Blame {
     Connection(Failure),
     /// A 5xx answer.
     Status(StatusCode),
+    /// No response head within `--upstream-timeout`.
+    Timeout,
 }
 
 /// Holds the failed attempts of one request against the engines' health, unless the request

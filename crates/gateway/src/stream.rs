@@ -538,6 +538,9 @@ impl ObservedBody {
         self.done = true;
         let track = self.track.as_mut()?;
         track.guard.backend.metrics.stream_stalled.inc();
+        // An engine that stops mid-answer is failing (its health checks may well pass): held
+        // against its health like a 5xx, so one that keeps doing it is ejected.
+        crate::health::record_failure(&track.guard.gw, &track.guard.backend, false);
         track.guard.fail();
         tracing::warn!(
             backend = track.guard.backend.name(),
