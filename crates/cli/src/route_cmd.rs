@@ -10,11 +10,11 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 use serde::Deserialize;
+use switchyard_core::models::{resolve, ModelError, Resolution, Via};
 use switchyard_core::{
     ChatMessage, EngineMetrics, InstanceSpec, Observation, Prompt, RouteError, RouteRequest,
     Router, RouterConfig,
 };
-use switchyard_gateway::models::{resolve, ModelError, Resolution, Via};
 
 /// Flags of `switchyard route`.
 #[derive(Debug, Args)]
@@ -100,15 +100,6 @@ pub fn run(args: RouteArgs) -> anyhow::Result<()> {
         crate::serve_cmd::parse_model_aliases(&args.model_aliases)?
             .into_iter()
             .collect();
-    // Adapter -> base model, as the gateway builds it: the first base model of each holder.
-    let mut adapters: HashMap<String, String> = HashMap::new();
-    for spec in &fleet.instances {
-        if let Some(base) = spec.models.first() {
-            for a in &spec.adapters {
-                adapters.entry(a.clone()).or_insert_with(|| base.clone());
-            }
-        }
-    }
     for spec in fleet.instances {
         let name = spec.name.clone();
         let id = router
@@ -150,18 +141,14 @@ pub fn run(args: RouteArgs) -> anyhow::Result<()> {
             adapter: Some(adapter.as_str()),
             via: Via::Served,
         },
-        None => resolve(
-            router.fleet(),
-            &adapters,
-            &aliases,
-            args.strict_models,
-            &args.model,
-        )
-        .map_err(|e| match e {
-            // The router's own wording, as before names were resolved here.
-            ModelError::Unknown(m) => anyhow::Error::new(RouteError::UnknownModel(m)),
-            other => anyhow::Error::new(other),
-        })?,
+        // The core resolves adapters from the fleet, exactly as for `serve` and `epp`.
+        None => resolve(router.fleet(), &aliases, args.strict_models, &args.model).map_err(
+            |e| match e {
+                // The router's own wording, as before names were resolved here.
+                ModelError::Unknown(m) => anyhow::Error::new(RouteError::UnknownModel(m)),
+                other => anyhow::Error::new(other),
+            },
+        )?,
     };
     let note = match resolution.via {
         Via::Served => None,
@@ -169,11 +156,14 @@ pub fn run(args: RouteArgs) -> anyhow::Result<()> {
         Via::Alias => Some("alias"),
         Via::Fallback => Some("the fleet's only model"),
     };
+    // Owned: the resolution borrows the fleet, which routing changes.
+    let model = resolution.model.into_owned();
+    let adapter = resolution.adapter.map(str::to_string);
     let request = RouteRequest {
-        adapter: resolution.adapter,
+        adapter: adapter.as_deref(),
         prompt,
         max_tokens: args.max_tokens,
-        ..RouteRequest::text(&resolution.model, "")
+        ..RouteRequest::text(&model, "")
     };
     let decision = router.route(&request, 0.0)?;
     if args.json {
@@ -187,13 +177,8 @@ pub fn run(args: RouteArgs) -> anyhow::Result<()> {
             .map_or("?", |(_, n)| n.as_str())
     };
     if let Some(why) = note {
-        let adapter = resolution
-            .adapter
-            .map_or_else(String::new, |a| format!(" adapter `{a}`"));
-        println!(
-            "model `{}` -> `{}`{adapter} ({why})",
-            args.model, resolution.model
-        );
+        let adapter = adapter.map_or_else(String::new, |a| format!(" adapter `{a}`"));
+        println!("model `{}` -> `{model}`{adapter} ({why})", args.model);
     }
     println!(
         "policy {}  prompt ≈ {} tokens  saturated: {}",

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
+use switchyard_core::models::{merge_aliases, parse_alias};
 use switchyard_core::RouterConfig;
 use switchyard_gateway::config::{load_router_config, parse_api_keys};
-use switchyard_gateway::models::{merge_aliases, parse_alias};
 use switchyard_gateway::pd::PdStyle;
 use switchyard_gateway::{BackendSpec, Settings};
 

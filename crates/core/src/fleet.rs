@@ -305,6 +305,9 @@ pub struct Fleet {
     free: Vec<Slot>,
     by_name: FxHashMap<String, Slot>,
     by_model: FxHashMap<String, Vec<Slot>>,
+    /// Instances that can serve each adapter (registered on the engine, configured or loaded
+    /// at runtime): where an adapter's name resolves to its base model.
+    by_adapter: FxHashMap<String, Vec<Slot>>,
 }
 
 impl Fleet {
@@ -325,6 +328,12 @@ impl Fleet {
         let id = InstanceId { slot, generation };
         for model in &spec.models {
             self.by_model.entry(model.clone()).or_default().push(slot);
+        }
+        for adapter in &spec.adapters {
+            self.by_adapter
+                .entry(adapter.clone())
+                .or_default()
+                .push(slot);
         }
         self.by_name.insert(spec.name.clone(), slot);
         let residency = AdapterResidency::default();
@@ -349,14 +358,54 @@ impl Fleet {
         self.free.push(id.slot);
         self.by_name.remove(&instance.spec.name);
         for model in &instance.spec.models {
-            if let Some(slots) = self.by_model.get_mut(model) {
-                slots.retain(|&s| s != id.slot);
-                if slots.is_empty() {
-                    self.by_model.remove(model);
-                }
-            }
+            unlist(&mut self.by_model, model, id.slot);
+        }
+        for adapter in &instance.spec.adapters {
+            unlist(&mut self.by_adapter, adapter, id.slot);
         }
         Some(instance)
+    }
+
+    /// Records that the instance can serve `adapter` now (loaded at runtime).
+    pub fn register_adapter(&mut self, id: InstanceId, adapter: &str) -> bool {
+        let Some(instance) = self.get_mut(id) else {
+            return false;
+        };
+        if !instance.spec.adapters.iter().any(|a| a == adapter) {
+            instance.spec.adapters.push(adapter.to_string());
+            self.by_adapter
+                .entry(adapter.to_string())
+                .or_default()
+                .push(id.slot);
+        }
+        true
+    }
+
+    /// Records that the instance no longer serves `adapter` (unloaded).
+    pub fn unregister_adapter(&mut self, id: InstanceId, adapter: &str) -> bool {
+        let Some(instance) = self.get_mut(id) else {
+            return false;
+        };
+        let before = instance.spec.adapters.len();
+        instance.spec.adapters.retain(|a| a != adapter);
+        if instance.spec.adapters.len() != before {
+            unlist(&mut self.by_adapter, adapter, id.slot);
+        }
+        true
+    }
+
+    /// The base model an adapter runs on (that of the first instance serving it), if any
+    /// instance serves it.
+    pub fn adapter_base(&self, adapter: &str) -> Option<&str> {
+        let slot = *self.by_adapter.get(adapter)?.first()?;
+        self.by_slot(slot)?.spec.models.first().map(String::as_str)
+    }
+
+    /// Every adapter some instance serves, with its base model.
+    pub fn adapters(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.by_adapter
+            .keys()
+            .filter_map(|a| Some((a.as_str(), self.adapter_base(a)?)))
     }
 
     /// The instance behind a handle, if it is still current.
@@ -414,6 +463,16 @@ impl Fleet {
     /// One past the largest slot in use (size for per-slot scratch arrays).
     pub fn slot_bound(&self) -> usize {
         self.slots.len()
+    }
+}
+
+/// Removes `slot` from `key`'s list (and the key with its last slot).
+fn unlist(index: &mut FxHashMap<String, Vec<Slot>>, key: &str, slot: Slot) {
+    if let Some(slots) = index.get_mut(key) {
+        slots.retain(|&s| s != slot);
+        if slots.is_empty() {
+            index.remove(key);
+        }
     }
 }
 

@@ -22,6 +22,7 @@ pub mod decision;
 pub mod exact;
 pub mod fleet;
 mod ladder;
+pub mod models;
 pub mod observe;
 pub mod placement;
 pub mod policy;

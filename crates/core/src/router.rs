@@ -682,24 +682,26 @@ impl Router {
             Observation::Finished(request, usage) => self.on_end(request, usage, true, now),
             Observation::Failed(request) => self.on_end(request, None, false, now),
             Observation::AdapterLoaded(id, adapter) => {
+                if !self.fleet.register_adapter(id, &adapter) {
+                    return Err(ObserveError::UnknownInstance(id));
+                }
                 let instance = self
                     .fleet
                     .get_mut(id)
                     .ok_or(ObserveError::UnknownInstance(id))?;
-                if !instance.spec.adapters.contains(&adapter) {
-                    instance.spec.adapters.push(adapter.clone());
-                }
                 let slots = instance.adapter_slots();
                 instance.adapters.touch(&adapter, slots, now);
                 instance.adapters.last_load_at = Some(now);
                 Ok(())
             }
             Observation::AdapterUnloaded(id, adapter) => {
+                if !self.fleet.unregister_adapter(id, &adapter) {
+                    return Err(ObserveError::UnknownInstance(id));
+                }
                 let instance = self
                     .fleet
                     .get_mut(id)
                     .ok_or(ObserveError::UnknownInstance(id))?;
-                instance.spec.adapters.retain(|a| *a != adapter);
                 instance.adapters.resident.retain(|a| *a != adapter);
                 Ok(())
             }

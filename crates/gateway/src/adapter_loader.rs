@@ -18,7 +18,7 @@
 //! `switchyard_adapter_placements_total{outcome="error"}`; the instance then waits out its
 //! cooldown like after a success, so a failing engine is not hammered.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,14 +34,12 @@ use crate::backends::Backend;
 use crate::state::Gateway;
 use crate::upstream::{classify, Failure};
 
-/// What placement knows and has changed, kept in the registry (under the router lock).
+/// What placement knows, kept in the registry (under the router lock): the demand and the
+/// plan. Which instance holds which adapter is the core's (`InstanceSpec::adapters`, kept by
+/// `AdapterLoaded` / `AdapterUnloaded`), read from there.
 pub struct PlacementState {
     /// Demand, cooldowns, residency clocks and the plan.
     pub planner: Planner,
-    /// Adapter -> backends placement loaded it onto.
-    loaded: BTreeMap<String, BTreeSet<String>>,
-    /// Adapter -> backends placement unloaded it from (or is unloading it from).
-    unloaded: BTreeMap<String, BTreeSet<String>>,
 }
 
 impl PlacementState {
@@ -49,88 +47,12 @@ impl PlacementState {
     pub fn new(config: PlacementConfig) -> Self {
         PlacementState {
             planner: Planner::new(config),
-            loaded: BTreeMap::new(),
-            unloaded: BTreeMap::new(),
         }
     }
 
     /// Counts one dispatched request for `adapter`.
     pub fn record(&mut self, adapter: &str, now: f64) {
         self.planner.record(adapter, now);
-    }
-
-    /// Whether `backend` holds `adapter` now (configured or discovered, or loaded by placement,
-    /// and not unloaded by it).
-    pub fn holds(&self, backend: &Backend, adapter: &str) -> bool {
-        let name = backend.name();
-        if self.loaded.get(adapter).is_some_and(|b| b.contains(name)) {
-            return true;
-        }
-        backend.spec.adapters.iter().any(|a| a == adapter)
-            && !self.unloaded.get(adapter).is_some_and(|b| b.contains(name))
-    }
-
-    /// The adapters `backend` holds now.
-    pub fn adapters_of(&self, backend: &Backend) -> Vec<String> {
-        let name = backend.name();
-        let mut out: Vec<String> = backend
-            .spec
-            .adapters
-            .iter()
-            .filter(|a| !self.unloaded.get(*a).is_some_and(|b| b.contains(name)))
-            .cloned()
-            .collect();
-        for (adapter, backends) in &self.loaded {
-            if backends.contains(name) && !out.contains(adapter) {
-                out.push(adapter.clone());
-            }
-        }
-        out
-    }
-
-    /// Forgets a backend that left the fleet.
-    pub fn forget_backend(&mut self, name: &str) {
-        for set in self.loaded.values_mut().chain(self.unloaded.values_mut()) {
-            set.remove(name);
-        }
-        self.loaded.retain(|_, b| !b.is_empty());
-        self.unloaded.retain(|_, b| !b.is_empty());
-    }
-
-    fn mark_loaded(&mut self, backend: &str, adapter: &str) {
-        if let Some(b) = self.unloaded.get_mut(adapter) {
-            b.remove(backend);
-        }
-        self.unloaded.retain(|_, b| !b.is_empty());
-        self.loaded
-            .entry(adapter.to_string())
-            .or_default()
-            .insert(backend.to_string());
-    }
-
-    /// Marks `adapter` gone from `backend`; returns whether placement had loaded it there.
-    fn mark_unloaded(&mut self, backend: &str, adapter: &str) -> bool {
-        let was_loaded = self
-            .loaded
-            .get_mut(adapter)
-            .is_some_and(|b| b.remove(backend));
-        self.loaded.retain(|_, b| !b.is_empty());
-        self.unloaded
-            .entry(adapter.to_string())
-            .or_default()
-            .insert(backend.to_string());
-        was_loaded
-    }
-
-    /// Undoes [`Self::mark_unloaded`] after a failed unload.
-    fn restore(&mut self, backend: &str, adapter: &str, was_loaded: bool) {
-        if let Some(b) = self.unloaded.get_mut(adapter) {
-            b.remove(backend);
-        }
-        self.unloaded.retain(|_, b| !b.is_empty());
-        if was_loaded {
-            self.mark_loaded(backend, adapter);
-        }
     }
 }
 
@@ -170,7 +92,7 @@ fn plan(gw: &Gateway) -> (Vec<PlacementAction>, Vec<(String, f64)>) {
                 name: b.name().to_string(),
                 models: b.spec.models.clone(),
                 slots: i.adapter_slots(),
-                adapters: state.adapters_of(b),
+                adapters: i.spec.adapters.clone(),
                 available: i.health == Health::Healthy,
                 load: f64::from(i.load.in_flight()),
             })
@@ -269,17 +191,12 @@ async fn load(gw: &Gateway, backend: &Backend, adapter: &str) -> bool {
         let now = gw.now();
         let mut guard = gw.registry.lock();
         let registry = &mut *guard;
-        let current = registry.backend(backend.id).is_some();
-        if let Some(state) = registry.placement.as_mut() {
-            state.mark_loaded(backend.name(), adapter);
-        }
-        if current {
+        if registry.backend(backend.id).is_some() {
             registry.observe(
                 Observation::AdapterLoaded(backend.id, adapter.to_string()),
                 now,
             );
         }
-        registry.refresh_adapters();
     }
     ok
 }
@@ -287,25 +204,19 @@ async fn load(gw: &Gateway, backend: &Backend, adapter: &str) -> bool {
 /// Unloads `adapter` from `backend`: no request goes there for it from now on, unless the
 /// call fails.
 async fn unload(gw: &Gateway, backend: &Backend, adapter: &str) -> bool {
-    let was_loaded = {
+    {
         let now = gw.now();
         let mut registry = gw.registry.lock();
-        let was = registry
-            .placement
-            .as_mut()
-            .map(|s| s.mark_unloaded(backend.name(), adapter));
-        if was.is_some() && registry.backend(backend.id).is_some() {
+        if registry.placement.is_none() {
+            return false;
+        }
+        if registry.backend(backend.id).is_some() {
             registry.observe(
                 Observation::AdapterUnloaded(backend.id, adapter.to_string()),
                 now,
             );
         }
-        registry.refresh_adapters();
-        was
-    };
-    let Some(was_loaded) = was_loaded else {
-        return false;
-    };
+    }
     let body = serde_json::json!({"lora_name": adapter});
     let ok = match post(gw, backend, "/v1/unload_lora_adapter", &body).await {
         Ok((status, _)) if status.is_success() => true,
@@ -334,9 +245,6 @@ async fn unload(gw: &Gateway, backend: &Backend, adapter: &str) -> bool {
     } else {
         let now = gw.now();
         let mut registry = gw.registry.lock();
-        if let Some(state) = registry.placement.as_mut() {
-            state.restore(backend.name(), adapter, was_loaded);
-        }
         // Still there: routable again (counted as a fresh load for the swap cooldown).
         if registry.backend(backend.id).is_some() {
             registry.observe(
@@ -344,7 +252,6 @@ async fn unload(gw: &Gateway, backend: &Backend, adapter: &str) -> bool {
                 now,
             );
         }
-        registry.refresh_adapters();
     }
     ok
 }
@@ -416,27 +323,6 @@ mod tests {
             })
             .unwrap();
         Arc::new(Backend::new(spec.clone(), spec, id, BackendMetrics::detached()).unwrap())
-    }
-
-    #[test]
-    fn loads_and_unloads_change_who_holds_an_adapter() {
-        let mut router = Router::new(RouterConfig::default()).unwrap();
-        let a = backend(&mut router, "a", &["x"]);
-        let b = backend(&mut router, "b", &[]);
-        let mut s = PlacementState::new(PlacementConfig::default());
-        assert!(s.holds(&a, "x") && !s.holds(&b, "x"));
-        s.mark_loaded("b", "x");
-        assert!(s.holds(&b, "x"));
-        assert_eq!(s.adapters_of(&b), vec!["x"]);
-        let was = s.mark_unloaded("a", "x");
-        assert!(!was && !s.holds(&a, "x"));
-        assert!(s.adapters_of(&a).is_empty());
-        s.restore("a", "x", was);
-        assert!(s.holds(&a, "x"));
-        assert!(s.mark_unloaded("b", "x"));
-        assert!(!s.holds(&b, "x"));
-        s.forget_backend("b");
-        assert!(s.loaded.is_empty() && s.unloaded.is_empty());
     }
 
     #[test]

@@ -200,7 +200,7 @@ pub fn load_fleet_file(path: &Path) -> Result<FleetConfig, ConfigError> {
         .map_err(|e| ConfigError::Backend(path.to_path_buf(), e))?;
     check_unique(&specs).map_err(|e| ConfigError::Backend(path.to_path_buf(), e))?;
     for (name, target) in &file.model_aliases {
-        crate::models::check_alias(name, target)
+        switchyard_core::models::check_alias(name, target)
             .map_err(|e| ConfigError::Alias(path.to_path_buf(), format!("`{name}`: {e}")))?;
     }
     Ok(FleetConfig {

@@ -331,11 +331,11 @@ impl ApiError {
     }
 }
 
-impl From<crate::models::ModelError> for ApiError {
-    fn from(e: crate::models::ModelError) -> Self {
+impl From<switchyard_core::models::ModelError> for ApiError {
+    fn from(e: switchyard_core::models::ModelError) -> Self {
         match e {
-            crate::models::ModelError::Unknown(m) => ApiError::unknown_model(&m),
-            crate::models::ModelError::AliasTarget { alias, target } => {
+            switchyard_core::models::ModelError::Unknown(m) => ApiError::unknown_model(&m),
+            switchyard_core::models::ModelError::AliasTarget { alias, target } => {
                 ApiError::alias_target_missing(&alias, &target)
             }
         }
@@ -380,7 +380,7 @@ mod tests {
 
     #[test]
     fn a_missing_alias_target_names_both() {
-        let e = ApiError::from(crate::models::ModelError::AliasTarget {
+        let e = ApiError::from(switchyard_core::models::ModelError::AliasTarget {
             alias: "gpt-4o".into(),
             target: "qwen".into(),
         });

@@ -12,7 +12,7 @@
 //! * engines are scraped in [`scrape`] (Prometheus text parsed by [`promtext`]) and checked in
 //!   [`health`]; LoRA adapters are loaded and unloaded by demand in [`adapter_loader`];
 //! * a request's `model` is resolved (aliases, adapters, the single-model fallback) in
-//!   [`models`];
+//!   `switchyard_core::models`;
 //! * HTTP routes are in [`server`] and [`admin`], errors in [`error`], the gateway's own
 //!   metrics in [`metrics`]; the shared state and the router lock in [`state`].
 //!
@@ -32,7 +32,6 @@ pub mod health;
 mod json;
 pub mod membership;
 pub mod metrics;
-pub mod models;
 pub mod parse;
 pub mod pd;
 pub mod promtext;
@@ -114,7 +113,7 @@ pub fn launch(settings: Settings) -> Result<Fleet, GatewayError> {
         None => None,
     };
     let no_aliases = Default::default();
-    let aliases = models::merge_aliases(
+    let aliases = switchyard_core::models::merge_aliases(
         &settings.model_aliases,
         file.as_ref().map_or(&no_aliases, |f| &f.model_aliases),
     )

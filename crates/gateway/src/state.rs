@@ -17,9 +17,9 @@ use crate::admission::Admission;
 use crate::backends::{Backend, BackendSpec};
 use crate::config::Settings;
 use crate::metrics::Metrics;
-use crate::models::{resolve, FallbackLog, ModelError, Resolution, Via};
 use crate::parse::ParsedRequest;
 use crate::upstream::Upstream;
+use switchyard_core::models::{resolve, FallbackLog, ModelError, Resolution, Via};
 
 /// What lives behind the lock: the router and the backends it knows, indexed by slot.
 pub struct Registry {
@@ -29,8 +29,6 @@ pub struct Registry {
     slots: Vec<Option<Arc<Backend>>>,
     /// Backends by name.
     pub by_name: BTreeMap<String, Arc<Backend>>,
-    /// Adapter name -> base model, over the whole fleet.
-    adapters: HashMap<String, String>,
     /// Backends waiting for model discovery, by name.
     pub pending: BTreeMap<String, BackendSpec>,
     /// Backends leaving (draining before removal), by name.
@@ -54,7 +52,6 @@ impl Registry {
             router,
             slots: Vec::new(),
             by_name: BTreeMap::new(),
-            adapters: HashMap::new(),
             pending: BTreeMap::new(),
             leaving: HashSet::new(),
             from_file: HashSet::new(),
@@ -65,7 +62,7 @@ impl Registry {
         }
     }
 
-    /// Replaces the model aliases (already merged and checked, see [`crate::models::merge_aliases`]).
+    /// Replaces the model aliases (already merged and checked, see [`switchyard_core::models::merge_aliases`]).
     pub fn set_aliases(&mut self, aliases: HashMap<String, String>) {
         self.aliases = aliases;
     }
@@ -91,7 +88,6 @@ impl Registry {
         }
         self.slots[slot] = Some(backend.clone());
         self.by_name.insert(backend.spec.name.clone(), backend);
-        self.rebuild_adapters();
     }
 
     /// Forgets a backend (the caller removes it from the router).
@@ -103,38 +99,7 @@ impl Registry {
             }
         }
         self.leaving.remove(name);
-        if let Some(p) = self.placement.as_mut() {
-            p.forget_backend(name);
-        }
-        self.rebuild_adapters();
         Some(backend)
-    }
-
-    /// Rebuilds the adapter -> base model map (after placement loaded or unloaded one).
-    pub fn refresh_adapters(&mut self) {
-        self.rebuild_adapters();
-    }
-
-    fn rebuild_adapters(&mut self) {
-        self.adapters.clear();
-        for b in self.by_name.values() {
-            let Some(base) = b.spec.models.first() else {
-                continue;
-            };
-            let placed;
-            let adapters = match &self.placement {
-                Some(p) => {
-                    placed = p.adapters_of(b);
-                    &placed
-                }
-                None => &b.spec.adapters,
-            };
-            for a in adapters {
-                self.adapters
-                    .entry(a.clone())
-                    .or_insert_with(|| base.clone());
-            }
-        }
     }
 
     /// Resolves a requested model name (alias, base model, adapter, single-model fallback; see
@@ -142,7 +107,6 @@ impl Registry {
     pub fn resolve<'a>(&'a self, requested: &'a str) -> Result<Resolution<'a>, ModelError> {
         resolve(
             self.router.fleet(),
-            &self.adapters,
             &self.aliases,
             self.strict_models,
             requested,
@@ -155,7 +119,6 @@ impl Registry {
         // Fields, not `self.resolve`: the fallback log is written while the resolution lives.
         let resolution = resolve(
             self.router.fleet(),
-            &self.adapters,
             &self.aliases,
             self.strict_models,
             requested,
@@ -190,14 +153,12 @@ impl Registry {
 
     /// Every served name: base models (no parent) and adapters (with their base model).
     pub fn catalog(&self) -> BTreeMap<String, Option<String>> {
-        let mut out = BTreeMap::new();
-        for b in self.by_name.values() {
-            for m in &b.spec.models {
-                out.insert(m.clone(), None);
-            }
-        }
-        for (a, base) in &self.adapters {
-            out.entry(a.clone()).or_insert_with(|| Some(base.clone()));
+        let fleet = self.router.fleet();
+        let mut out: BTreeMap<String, Option<String>> =
+            fleet.models().map(|m| (m.to_string(), None)).collect();
+        for (a, base) in fleet.adapters() {
+            out.entry(a.to_string())
+                .or_insert_with(|| Some(base.to_string()));
         }
         out
     }

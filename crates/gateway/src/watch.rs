@@ -55,7 +55,7 @@ pub fn reload(gw: &Arc<Gateway>, path: &std::path::Path) -> bool {
     let loaded = load_fleet_file(path)
         .map_err(|e| e.to_string())
         .and_then(|file| {
-            crate::models::merge_aliases(&gw.settings.model_aliases, &file.model_aliases)
+            switchyard_core::models::merge_aliases(&gw.settings.model_aliases, &file.model_aliases)
                 .map(|aliases| (file.backends, aliases))
                 .map_err(|e| format!("{}: {e}", path.display()))
         });

@@ -5,12 +5,14 @@
 //! to its base model; else, in a fleet serving exactly one base model and without
 //! `--strict-models`, the request goes to that model. Anything else is unknown (404).
 //!
-//! [`resolve`] is the one function both the gateway and `switchyard route` call.
+//! [`resolve`] is the one function every driver calls (`serve`, `epp`, `switchyard route`): the
+//! adapters it knows are the fleet's own ([`Fleet::adapter_base`]), kept by the router as
+//! adapters are loaded and unloaded, so nothing else keeps a copy.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use switchyard_core::fleet::Fleet;
+use crate::fleet::Fleet;
 
 /// Most distinct names the single-model fallback remembers having logged.
 pub const FALLBACK_LOG_CAP: usize = 1024;
@@ -66,11 +68,10 @@ pub enum ModelError {
     },
 }
 
-/// Resolves `requested` (see the module documentation). `adapters` maps adapter names to their
-/// base model, `aliases` alias names to targets; `strict` turns the single-model fallback off.
+/// Resolves `requested` (see the module documentation). `aliases` maps alias names to targets;
+/// `strict` turns the single-model fallback off.
 pub fn resolve<'a>(
-    fleet: &Fleet,
-    adapters: &'a HashMap<String, String>,
+    fleet: &'a Fleet,
     aliases: &'a HashMap<String, String>,
     strict: bool,
     requested: &'a str,
@@ -86,7 +87,7 @@ pub fn resolve<'a>(
             via,
         });
     }
-    if let Some(base) = adapters.get(name) {
+    if let Some(base) = fleet.adapter_base(name) {
         return Ok(Resolution {
             model: Cow::Borrowed(base),
             adapter: Some(name),
@@ -212,12 +213,15 @@ impl FallbackLog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use switchyard_core::{InstanceSpec, Router};
+    use crate::{InstanceSpec, Router};
 
-    fn fleet(instances: &[(&str, &str)]) -> Router {
+    /// Instances (name, base model, adapters).
+    fn fleet(instances: &[(&str, &str, &[&str])]) -> Router {
         let mut r = Router::new(Default::default()).unwrap();
-        for (name, model) in instances {
-            r.add_instance(InstanceSpec::new(*name, *model)).unwrap();
+        for (name, model, adapters) in instances {
+            let mut spec = InstanceSpec::new(*name, *model);
+            spec.adapters = adapters.iter().map(|a| a.to_string()).collect();
+            r.add_instance(spec).unwrap();
         }
         r
     }
@@ -231,44 +235,65 @@ mod tests {
 
     #[test]
     fn served_models_and_adapters_resolve_as_before() {
-        let f = fleet(&[("a", "llama"), ("b", "qwen")]);
-        let adapters = map(&[("sql", "llama")]);
+        let f = fleet(&[("a", "llama", &["sql"]), ("b", "qwen", &[])]);
         let none = HashMap::new();
-        let r = resolve(f.fleet(), &adapters, &none, false, "qwen").unwrap();
+        let r = resolve(f.fleet(), &none, false, "qwen").unwrap();
         assert_eq!((&*r.model, r.adapter, r.via), ("qwen", None, Via::Served));
         assert_eq!(r.upstream_model(), None);
-        let r = resolve(f.fleet(), &adapters, &none, false, "sql").unwrap();
+        let r = resolve(f.fleet(), &none, false, "sql").unwrap();
         assert_eq!(
             (&*r.model, r.adapter, r.via),
             ("llama", Some("sql"), Via::Adapter)
         );
         assert_eq!(r.upstream_model(), None);
         // A base model of that name wins over an adapter.
-        let adapters = map(&[("qwen", "llama")]);
-        let r = resolve(f.fleet(), &adapters, &none, false, "qwen").unwrap();
+        let f = fleet(&[("a", "llama", &["qwen"]), ("b", "qwen", &[])]);
+        let r = resolve(f.fleet(), &none, false, "qwen").unwrap();
         assert_eq!((&*r.model, r.adapter), ("qwen", None));
     }
 
     #[test]
-    fn an_alias_is_routed_and_sent_as_its_target() {
-        let f = fleet(&[("a", "llama"), ("b", "qwen")]);
-        let aliases = map(&[("gpt-4o", "qwen"), ("llama", "qwen")]);
+    fn adapters_follow_loads_and_unloads() {
+        use crate::Observation;
+        let mut f = fleet(&[("a", "llama", &[]), ("b", "llama", &[])]);
         let none = HashMap::new();
-        let r = resolve(f.fleet(), &none, &aliases, true, "gpt-4o").unwrap();
+        let a = f.fleet().id_of("a").unwrap();
+        assert_eq!(
+            resolve(f.fleet(), &none, true, "x").unwrap_err(),
+            ModelError::Unknown("x".into())
+        );
+        f.observe(Observation::AdapterLoaded(a, "x".into()), 1.0)
+            .unwrap();
+        let r = resolve(f.fleet(), &none, true, "x").unwrap();
+        assert_eq!((&*r.model, r.adapter), ("llama", Some("x")));
+        f.observe(Observation::AdapterUnloaded(a, "x".into()), 2.0)
+            .unwrap();
+        assert!(resolve(f.fleet(), &none, true, "x").is_err());
+        // An instance that leaves takes its adapters with it.
+        f.observe(Observation::AdapterLoaded(a, "y".into()), 3.0)
+            .unwrap();
+        f.observe(Observation::InstanceRemoved(a), 4.0).unwrap();
+        assert!(resolve(f.fleet(), &none, true, "y").is_err());
+    }
+
+    #[test]
+    fn an_alias_is_routed_and_sent_as_its_target() {
+        let f = fleet(&[("a", "llama", &[]), ("b", "qwen", &[])]);
+        let aliases = map(&[("gpt-4o", "qwen"), ("llama", "qwen")]);
+        let r = resolve(f.fleet(), &aliases, true, "gpt-4o").unwrap();
         assert_eq!((&*r.model, r.adapter, r.via), ("qwen", None, Via::Alias));
         assert_eq!(r.upstream_model(), Some("qwen"));
         // Aliases come first, even over a served name.
-        let r = resolve(f.fleet(), &none, &aliases, true, "llama").unwrap();
+        let r = resolve(f.fleet(), &aliases, true, "llama").unwrap();
         assert_eq!(r.model, "qwen");
         assert_eq!(r.upstream_model(), Some("qwen"));
     }
 
     #[test]
     fn an_alias_may_name_an_adapter() {
-        let f = fleet(&[("a", "llama"), ("b", "qwen")]);
-        let adapters = map(&[("sql-lora", "llama")]);
+        let f = fleet(&[("a", "llama", &["sql-lora"]), ("b", "qwen", &[])]);
         let aliases = map(&[("sql", "sql-lora")]);
-        let r = resolve(f.fleet(), &adapters, &aliases, false, "sql").unwrap();
+        let r = resolve(f.fleet(), &aliases, false, "sql").unwrap();
         assert_eq!(
             (&*r.model, r.adapter, r.via),
             ("llama", Some("sql-lora"), Via::Alias)
@@ -280,10 +305,9 @@ mod tests {
     #[test]
     fn an_alias_to_a_missing_model_names_both() {
         // Not even the single-model fallback rescues a wrong alias.
-        let f = fleet(&[("a", "llama")]);
+        let f = fleet(&[("a", "llama", &[])]);
         let aliases = map(&[("gpt-4o", "qwen")]);
-        let none = HashMap::new();
-        let e = resolve(f.fleet(), &none, &aliases, false, "gpt-4o").unwrap_err();
+        let e = resolve(f.fleet(), &aliases, false, "gpt-4o").unwrap_err();
         assert_eq!(
             e,
             ModelError::AliasTarget {
@@ -297,10 +321,9 @@ mod tests {
 
     #[test]
     fn a_single_model_fleet_takes_any_name_unless_strict() {
-        let f = fleet(&[("a", "llama"), ("b", "llama")]);
-        let adapters = map(&[("sql", "llama")]);
+        let f = fleet(&[("a", "llama", &["sql"]), ("b", "llama", &[])]);
         let none = HashMap::new();
-        let r = resolve(f.fleet(), &adapters, &none, false, "gpt-4o").unwrap();
+        let r = resolve(f.fleet(), &none, false, "gpt-4o").unwrap();
         assert_eq!(
             (&*r.model, r.adapter, r.via),
             ("llama", None, Via::Fallback)
@@ -308,28 +331,26 @@ mod tests {
         assert_eq!(r.upstream_model(), Some("llama"));
         // Adapters still resolve as adapters.
         assert_eq!(
-            resolve(f.fleet(), &adapters, &none, false, "sql")
-                .unwrap()
-                .via,
+            resolve(f.fleet(), &none, false, "sql").unwrap().via,
             Via::Adapter
         );
         assert_eq!(
-            resolve(f.fleet(), &adapters, &none, true, "gpt-4o").unwrap_err(),
+            resolve(f.fleet(), &none, true, "gpt-4o").unwrap_err(),
             ModelError::Unknown("gpt-4o".into())
         );
     }
 
     #[test]
     fn a_multi_model_fleet_refuses_unknown_names() {
-        let f = fleet(&[("a", "llama"), ("b", "qwen")]);
+        let f = fleet(&[("a", "llama", &[]), ("b", "qwen", &[])]);
         let none = HashMap::new();
         assert_eq!(
-            resolve(f.fleet(), &none, &none, false, "gpt-4o").unwrap_err(),
+            resolve(f.fleet(), &none, false, "gpt-4o").unwrap_err(),
             ModelError::Unknown("gpt-4o".into())
         );
         let empty = fleet(&[]);
         assert_eq!(
-            resolve(empty.fleet(), &none, &none, false, "gpt-4o").unwrap_err(),
+            resolve(empty.fleet(), &none, false, "gpt-4o").unwrap_err(),
             ModelError::Unknown("gpt-4o".into())
         );
     }
