@@ -62,7 +62,8 @@ pub struct EppArgs {
     /// Router settings file (any subset of the keys in docs/core.md).
     #[arg(long, value_name = "FILE")]
     pub router_config: Option<PathBuf>,
-    /// Routing policy (overrides the router settings).
+    /// Routing policy (overrides the router settings): cost, round-robin, random, least-load,
+    /// power-of-two, sglang-cache-aware, dynamo-kv, gie, gie-lora, kubeai-chwbl.
     #[arg(long)]
     pub policy: Option<String>,
     /// Router-side requests in flight at which a backend counts as saturated.

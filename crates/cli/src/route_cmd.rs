@@ -26,7 +26,7 @@ pub struct RouteArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Policy name (overrides the config): cost, round-robin, random, least-load, power-of-two,
-    /// sglang-cache-aware, dynamo-kv, gie, kubeai-chwbl.
+    /// sglang-cache-aware, dynamo-kv, gie, gie-lora, kubeai-chwbl.
     #[arg(long)]
     policy: Option<String>,
     /// Model asked for, resolved as the gateway resolves a request's `model`: an alias

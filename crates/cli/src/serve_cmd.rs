@@ -53,7 +53,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE")]
     pub router_config: Option<PathBuf>,
     /// Routing policy (overrides the router settings): cost, round-robin, random, least-load,
-    /// power-of-two, sglang-cache-aware, dynamo-kv, gie, kubeai-chwbl.
+    /// power-of-two, sglang-cache-aware, dynamo-kv, gie, gie-lora, kubeai-chwbl.
     #[arg(long)]
     pub policy: Option<String>,
     /// Router-side requests in flight at which a backend counts as saturated

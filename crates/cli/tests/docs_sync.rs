@@ -88,3 +88,21 @@ fn epp_flags_are_documented() {
     );
     assert!(stale.is_empty(), "documented but gone: {stale:?}");
 }
+
+/// Every subcommand that takes `--policy` names every policy in its help.
+#[test]
+fn policy_lists_are_complete() {
+    for command in ["serve", "epp", "route"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+            .args([command, "--help"])
+            .output()
+            .expect("runs");
+        let help = String::from_utf8_lossy(&out.stdout).replace('\n', " ");
+        for policy in switchyard_core::policy::POLICY_NAMES {
+            assert!(
+                help.contains(policy),
+                "`switchyard {command} --help` lacks {policy}"
+            );
+        }
+    }
+}

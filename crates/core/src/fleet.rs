@@ -63,7 +63,9 @@ pub struct InstanceSpec {
     pub max_running: Option<u32>,
     /// Prior prefill speed for this instance in tokens/s (overrides the router-wide prior).
     pub prefill_tokens_per_s: Option<f64>,
-    /// Relative weight for load-balancing baselines (1.0 = normal).
+    /// Relative capacity for the load-balancing baselines (round-robin, random, least-load,
+    /// power-of-two), as nginx and Envoy weigh servers (1.0 = normal); `cost` and the
+    /// cache-aware policies use what they measure instead.
     pub weight: f64,
 }
 

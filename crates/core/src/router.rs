@@ -726,6 +726,12 @@ impl Router {
                 spec.name
             )));
         }
+        if !(spec.weight.is_finite() && spec.weight > 0.0) {
+            return Err(ObserveError::InvalidInstance(format!(
+                "`{}` has weight {}; it must be a positive number",
+                spec.name, spec.weight
+            )));
+        }
         let learned = self.priors(&spec);
         let id = self
             .fleet

@@ -1035,3 +1035,59 @@ fn prepared_prompts_route_like_route() {
     assert_eq!(cached(&direct), cached(&via_prepared));
     assert_eq!(cached(&direct), cached(&via_wrong));
 }
+
+/// The load-balancing baselines honour instance weights, as nginx and Envoy do.
+#[test]
+fn baselines_honour_weights() {
+    let weighted = |policy: &str| {
+        let mut router = Router::new(RouterConfig {
+            policy: policy.into(),
+            ..Default::default()
+        })
+        .unwrap();
+        let mut heavy = InstanceSpec::new("heavy", "m");
+        heavy.weight = 3.0;
+        let heavy = router.add_instance(heavy).unwrap();
+        router
+            .add_instance(InstanceSpec::new("light", "m"))
+            .unwrap();
+        (router, heavy)
+    };
+    // Round robin: exactly 3 of every 4.
+    let (mut router, heavy) = weighted("round-robin");
+    let picks: Vec<bool> = (0..8)
+        .map(|i| {
+            let id = send(&mut router, i, &RouteRequest::text("m", "x"), 0.0);
+            finish(&mut router, i, 0.01);
+            id == heavy
+        })
+        .collect();
+    assert_eq!(picks.iter().filter(|&&h| h).count(), 6, "{picks:?}");
+    // Random: about 3 in 4.
+    let (mut router, heavy) = weighted("random");
+    let n = 4000;
+    let hits = (0..n)
+        .filter(|_| {
+            router
+                .route(&RouteRequest::text("m", "x"), 0.0)
+                .unwrap()
+                .best()
+                == Some(heavy)
+        })
+        .count();
+    assert!((2850..3150).contains(&hits), "{hits} of {n}");
+    // Least load: requests in flight count divided by the weight, so four open requests split
+    // 3 : 1 whichever way the first tie falls.
+    let (mut router, heavy) = weighted("least-load");
+    let on_heavy = (0..4)
+        .filter(|&i| send(&mut router, i, &RouteRequest::text("m", "x"), 0.0) == heavy)
+        .count();
+    assert_eq!(on_heavy, 3);
+    // A weight must be a positive number.
+    let mut bad = InstanceSpec::new("bad", "m");
+    bad.weight = 0.0;
+    assert!(Router::new(RouterConfig::default())
+        .unwrap()
+        .add_instance(bad)
+        .is_err());
+}

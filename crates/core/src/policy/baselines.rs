@@ -1,7 +1,9 @@
 //! Load-balancing baselines that ignore the prompt: round-robin, random, least-load, power-of-two.
 //!
 //! "Load" is the router's own count of requests in flight on an instance, which is what
-//! general-purpose proxies (nginx `least_conn`, Envoy `LEAST_REQUEST`) balance on.
+//! general-purpose proxies (nginx `least_conn`, Envoy `LEAST_REQUEST`) balance on. Each honours
+//! the instances' `weight` as those proxies do (a weight-2 instance takes twice the share, or
+//! is as loaded at twice the requests); with equal weights they are the plain algorithms.
 
 use rand::rngs::SmallRng;
 use rand::Rng;
@@ -9,10 +11,13 @@ use rand::Rng;
 use super::{pick_then_by_load, Policy, PolicyTraits, ScoringContext, TieBreak};
 use crate::decision::Candidate;
 
-/// Each request to the next instance in fleet order.
+/// Each request to the next instance in fleet order (nginx's smooth weighted round robin when
+/// weights differ).
 #[derive(Default)]
 pub struct RoundRobin {
     next: usize,
+    /// Smooth weighted round robin's running weight per slot.
+    current: rustc_hash::FxHashMap<crate::prefix::Slot, f64>,
 }
 
 impl Policy for RoundRobin {
@@ -29,7 +34,7 @@ impl Policy for RoundRobin {
 
     fn score(
         &mut self,
-        _ctx: &ScoringContext<'_>,
+        ctx: &ScoringContext<'_>,
         candidates: &mut [Candidate],
         _rng: &mut SmallRng,
     ) {
@@ -37,11 +42,35 @@ impl Policy for RoundRobin {
         if n == 0 {
             return;
         }
+        let weight = |c: &Candidate| ctx.instance(c).spec.weight;
+        if candidates.iter().any(|c| weight(c) != 1.0) {
+            // Every candidate gains its weight; the one with the most goes and pays the total.
+            let total: f64 = candidates.iter().map(weight).sum();
+            let mut best = 0;
+            let mut best_current = f64::NEG_INFINITY;
+            for (i, c) in candidates.iter().enumerate() {
+                let current = self.current.entry(c.instance.slot).or_insert(0.0);
+                *current += weight(c);
+                if *current > best_current {
+                    best_current = *current;
+                    best = i;
+                }
+            }
+            if let Some(current) = self.current.get_mut(&candidates[best].instance.slot) {
+                *current -= total;
+            }
+            pick_then_by_load(ctx, candidates, best);
+            return;
+        }
         let start = self.next % n;
         for (i, c) in candidates.iter_mut().enumerate() {
             c.score = ((i + n - start) % n) as f64;
         }
         self.next = self.next.wrapping_add(1);
+    }
+
+    fn forget_instance(&mut self, slot: crate::prefix::Slot) {
+        self.current.remove(&slot);
     }
 }
 
@@ -62,12 +91,20 @@ impl Policy for Random {
 
     fn score(
         &mut self,
-        _ctx: &ScoringContext<'_>,
+        ctx: &ScoringContext<'_>,
         candidates: &mut [Candidate],
         rng: &mut SmallRng,
     ) {
+        // Efraimidis-Spirakis: the smallest 1 - (1 - u)^(1/w) wins with probability
+        // proportional to w (exactly `u` at weight 1).
         for c in candidates.iter_mut() {
-            c.score = rng.random::<f64>();
+            let u = rng.random::<f64>();
+            let w = ctx.instance(c).spec.weight;
+            c.score = if w == 1.0 {
+                u
+            } else {
+                1.0 - (1.0 - u).powf(1.0 / w)
+            };
         }
     }
 }
@@ -94,7 +131,8 @@ impl Policy for LeastLoad {
         _rng: &mut SmallRng,
     ) {
         for c in candidates.iter_mut() {
-            c.score = f64::from(ctx.instance(c).load.in_flight());
+            let instance = ctx.instance(c);
+            c.score = f64::from(instance.load.in_flight()) / instance.spec.weight;
         }
     }
 }
@@ -130,8 +168,11 @@ impl Policy for PowerOfTwo {
         } else {
             a
         };
-        let load = |i: usize| ctx.instance(&candidates[i]).load.in_flight();
-        let pick = match load(a).cmp(&load(b)) {
+        let load = |i: usize| {
+            let instance = ctx.instance(&candidates[i]);
+            f64::from(instance.load.in_flight()) / instance.spec.weight
+        };
+        let pick = match load(a).total_cmp(&load(b)) {
             std::cmp::Ordering::Less => a,
             std::cmp::Ordering::Greater => b,
             std::cmp::Ordering::Equal if rng.random::<bool>() => a,
