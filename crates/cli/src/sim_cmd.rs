@@ -1,5 +1,6 @@
 //! `switchyard sim`: every routing policy over the same workload on a simulated fleet.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
@@ -138,6 +139,10 @@ pub struct SimArgs {
     /// Write results.json, results.md and SVG charts here (with --suite: results.json, suite.md).
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+
+    /// No progress on stderr (it is drawn only when stderr is a terminal anyway).
+    #[arg(long)]
+    quiet: bool,
 
     /// Run the workload suite instead: `cost` against the baselines on eight workloads, at
     /// round-robin's calibrated capacity and in overload, over --seeds; prints one table of
@@ -337,6 +342,53 @@ fn run_suite(args: &SimArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One spinner per policy on stderr while the simulation runs (requests so far and simulated
+/// time), left on screen when the policy is done.
+struct Progress {
+    show: bool,
+    current: Option<(String, indicatif::ProgressBar, std::time::Instant)>,
+}
+
+impl Progress {
+    fn new(show: bool) -> Self {
+        Progress {
+            show,
+            current: None,
+        }
+    }
+
+    fn report(&mut self, policy: &str, requests: u64, clock: f64) {
+        if !self.show {
+            return;
+        }
+        if self.current.as_ref().is_none_or(|(p, _, _)| p != policy) {
+            self.finish();
+            let bar = indicatif::ProgressBar::new_spinner();
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} {prefix:<20} {msg}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+            );
+            bar.set_prefix(policy.to_string());
+            bar.enable_steady_tick(std::time::Duration::from_millis(200));
+            self.current = Some((policy.to_string(), bar, std::time::Instant::now()));
+        }
+        if let Some((_, bar, _)) = &self.current {
+            bar.set_message(format!("{requests} requests, {clock:.0} s simulated"));
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some((_, bar, started)) = self.current.take() {
+            let message = format!(
+                "{} (done in {:.1} s)",
+                bar.message(),
+                started.elapsed().as_secs_f64()
+            );
+            bar.finish_with_message(message);
+        }
+    }
+}
+
 /// Runs `switchyard sim`.
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
     if args.suite {
@@ -353,7 +405,15 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         args.policies.clone()
     };
     let started = std::time::Instant::now();
-    let output = switchyard_sim::run(&config, &spec, &policies, args.queue_policy.as_deref())?;
+    let mut bars = Progress::new(!args.quiet && std::io::stderr().is_terminal());
+    let output = switchyard_sim::run_with_progress(
+        &config,
+        &spec,
+        &policies,
+        args.queue_policy.as_deref(),
+        &mut |policy, requests, clock| bars.report(policy, requests, clock),
+    )?;
+    bars.finish();
     let wall = started.elapsed().as_secs_f64();
     print!("{}", output.results.text_table());
     let parts: Vec<String> = output

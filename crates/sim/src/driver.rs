@@ -516,6 +516,21 @@ pub fn simulate(
     model: &str,
     workload: impl Iterator<Item = Request>,
 ) -> Result<RunData> {
+    simulate_with(config, policy, model, workload, &mut |_, _| {})
+}
+
+/// Requests between two progress reports.
+const PROGRESS_EVERY: u64 = 4096;
+
+/// [`simulate`], reporting progress as (requests arrived, simulated seconds) every
+/// [`PROGRESS_EVERY`] arrivals and at the end.
+pub fn simulate_with(
+    config: &SimConfig,
+    policy: &str,
+    model: &str,
+    workload: impl Iterator<Item = Request>,
+    progress: &mut dyn FnMut(u64, f64),
+) -> Result<RunData> {
     config.validate()?;
     let mut sim = Sim::new(config, policy, model)?;
     let mut split_rng = ChaCha8Rng::seed_from_u64(config.seed ^ 0x5350_4c49_5420_5250);
@@ -575,8 +590,12 @@ pub fn simulate(
             Split::Random => split_rng.random_range(0..replicas) as u16,
         };
         arrivals += 1;
+        if arrivals.is_multiple_of(PROGRESS_EVERY) {
+            progress(arrivals, clock);
+        }
         sim.on_arrival(&request, replica, clock)?;
     }
+    progress(arrivals, clock);
     let learned = sim
         .ids
         .iter()

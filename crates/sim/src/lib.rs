@@ -106,6 +106,17 @@ pub fn run(
     policies: &[String],
     queue_policy: Option<&str>,
 ) -> Result<SimOutput> {
+    run_with_progress(config, workload, policies, queue_policy, &mut |_, _, _| {})
+}
+
+/// [`run`], reporting (policy, requests arrived, simulated seconds) as each policy's run goes.
+pub fn run_with_progress(
+    config: &SimConfig,
+    workload: &WorkloadSpec,
+    policies: &[String],
+    queue_policy: Option<&str>,
+    progress: &mut dyn FnMut(&str, u64, f64),
+) -> Result<SimOutput> {
     config.validate()?;
     for p in policies {
         if !switchyard_core::policy::POLICY_NAMES.contains(&p.as_str()) {
@@ -152,7 +163,13 @@ pub fn run(
         if *policy != queue_policy {
             config.queue_chart_instances = 0;
         }
-        let mut data = simulate(&config, policy, &model, workload.build(config.seed)?)?;
+        let mut data = driver::simulate_with(
+            &config,
+            policy,
+            &model,
+            workload.build(config.seed)?,
+            &mut |n, t| progress(policy, n, t),
+        )?;
         let (mut summary, ttfts) =
             summarize(policy, &data.records, &data.instances, config.ttft_slo_s);
         (summary.ttft_error_p50, summary.ttft_error_p90) =
