@@ -19,7 +19,10 @@ use switchyard_core::{
 /// Flags of `switchyard route`.
 #[derive(Debug, Args)]
 pub struct RouteArgs {
-    /// Fleet file (JSON): {"instances": [InstanceSpec...], "metrics": {"name": EngineMetrics}}.
+    /// Fleet file: the one `serve` and `epp` take (`backends: [...]`, YAML, or TOML/JSON by
+    /// extension; every backend needs `models`, a dry run discovers nothing), or the JSON
+    /// {"instances": [InstanceSpec...], "metrics": {"name": EngineMetrics}} (engine metrics to
+    /// route against).
     #[arg(long)]
     fleet: PathBuf,
     /// Router settings file (JSON, any subset of the keys in docs/core.md).
@@ -60,13 +63,41 @@ pub struct RouteArgs {
     json: bool,
 }
 
-/// The fleet file's shape.
+/// The dry run's own fleet file: instances as the core takes them, and engine metrics.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FleetFile {
     instances: Vec<InstanceSpec>,
     #[serde(default)]
     metrics: std::collections::BTreeMap<String, EngineMetrics>,
+    #[serde(default)]
+    model_aliases: std::collections::BTreeMap<String, String>,
+}
+
+/// Reads either fleet file: `serve`'s (`backends:`), or the dry run's own (`instances:`).
+fn load_fleet(path: &PathBuf) -> anyhow::Result<FleetFile> {
+    let text = read(path)?;
+    if let Ok(own) = serde_json::from_str::<FleetFile>(&text) {
+        return Ok(own);
+    }
+    let file = switchyard_gateway::config::load_fleet_file(path)
+        .with_context(|| format!("invalid fleet file {}", path.display()))?;
+    let mut instances = Vec::new();
+    for backend in &file.backends {
+        if backend.models.is_empty() {
+            bail!(
+                "{}: backend `{}` lists no models (a dry run cannot ask the engine; add models)",
+                path.display(),
+                backend.name
+            );
+        }
+        instances.push(backend.instance_spec());
+    }
+    Ok(FleetFile {
+        instances,
+        metrics: Default::default(),
+        model_aliases: file.model_aliases,
+    })
 }
 
 #[derive(Debug, Deserialize)]
@@ -90,16 +121,15 @@ pub fn run(args: RouteArgs) -> anyhow::Result<()> {
         config.policy = policy.clone();
     }
     let mut router = Router::new(config)?;
-    let fleet: FleetFile = serde_json::from_str(&read(&args.fleet)?)
-        .with_context(|| format!("invalid fleet file {}", args.fleet.display()))?;
+    let fleet = load_fleet(&args.fleet)?;
     if fleet.instances.is_empty() {
         bail!("the fleet file lists no instances");
     }
     let mut names = Vec::new();
+    let flag_aliases = crate::serve_cmd::parse_model_aliases(&args.model_aliases)?;
     let aliases: HashMap<String, String> =
-        crate::serve_cmd::parse_model_aliases(&args.model_aliases)?
-            .into_iter()
-            .collect();
+        switchyard_core::models::merge_aliases(&flag_aliases, &fleet.model_aliases)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", args.fleet.display()))?;
     for spec in fleet.instances {
         let name = spec.name.clone();
         let id = router

@@ -191,3 +191,52 @@ fn route_resolves_model_names_as_the_gateway_does() {
         "{text}"
     );
 }
+
+/// The dry run takes the fleet file `serve` takes: its adapters and aliases resolve the same.
+#[test]
+fn route_takes_the_serve_fleet_file() {
+    let fleet = temp_file(
+        "serve-fleet.yaml",
+        "backends:\n  - address: http://10.0.0.1:8000\n    models: [llama]\n    adapters: [sql-lora]\n  - address: http://10.0.0.2:8000\n    models: [llama]\nmodel_aliases:\n  sql: sql-lora\n",
+    );
+    let out = switchyard(&[
+        "route",
+        "--fleet",
+        fleet.to_str().unwrap(),
+        "--model",
+        "sql",
+        "--prompt",
+        "select 1",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("model `sql` -> `llama` adapter `sql-lora` (alias)"),
+        "{text}"
+    );
+    // Only the backend holding the adapter may take it.
+    assert!(
+        text.contains("10.0.0.2:8000") && text.contains("AdapterUnavailable"),
+        "{text}"
+    );
+    // A backend whose models the engine would have to be asked for cannot be dry-run.
+    let undiscovered = temp_file(
+        "serve-fleet-bare.yaml",
+        "backends:\n  - address: http://10.0.0.3:8000\n",
+    );
+    let out = switchyard(&[
+        "route",
+        "--fleet",
+        undiscovered.to_str().unwrap(),
+        "--model",
+        "m",
+        "--prompt",
+        "x",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("lists no models"));
+}
