@@ -3,7 +3,11 @@
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-use crate::prefix::{CacheSurvival, Slot};
+use crate::prefix::CacheSurvival;
+
+/// Dense index of an instance in the fleet (reused after it leaves; with a generation it makes
+/// an [`InstanceId`]). Per-instance tables such as the prefix index are keyed by it.
+pub type Slot = u32;
 
 /// Stable handle of an instance; a removed instance's handle never matches a later one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -8,8 +8,8 @@
 
 use std::collections::BTreeSet;
 
+use crate::fleet::Slot;
 use crate::fleet::{Health, Instance, Role};
-use crate::prefix::Slot;
 
 /// Instances ordered by estimated wait, one ladder per role.
 #[derive(Debug, Default)]

@@ -17,7 +17,7 @@ use crate::decision::Candidate;
 pub struct RoundRobin {
     next: usize,
     /// Smooth weighted round robin's running weight per slot.
-    current: rustc_hash::FxHashMap<crate::prefix::Slot, f64>,
+    current: rustc_hash::FxHashMap<crate::fleet::Slot, f64>,
 }
 
 impl Policy for RoundRobin {
@@ -69,7 +69,7 @@ impl Policy for RoundRobin {
         self.next = self.next.wrapping_add(1);
     }
 
-    fn forget_instance(&mut self, slot: crate::prefix::Slot) {
+    fn forget_instance(&mut self, slot: crate::fleet::Slot) {
         self.current.remove(&slot);
     }
 }

@@ -15,7 +15,7 @@ use super::{Policy, PolicyTraits, ScoringContext, TieBreak};
 use crate::config::GieConfig;
 use crate::decision::Candidate;
 use crate::fleet::Instance;
-use crate::prefix::Slot;
+use crate::fleet::Slot;
 
 /// The GIE-style weighted-scorer policy with its own prefix LRU.
 pub struct Gie {

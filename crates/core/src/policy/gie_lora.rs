@@ -26,7 +26,7 @@ use super::{Policy, PolicyTraits, ScoringContext, TieBreak};
 use crate::config::GieConfig;
 use crate::decision::Candidate;
 use crate::fleet::Instance;
-use crate::prefix::Slot;
+use crate::fleet::Slot;
 
 /// Score for the adapter being active (a running request uses it).
 pub const LORA_ACTIVE: f64 = 1.0;

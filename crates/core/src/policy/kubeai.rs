@@ -12,7 +12,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::{pick_then_by_load, Policy, PolicyTraits, ScoringContext, TieBreak};
 use crate::config::KubeAiConfig;
 use crate::decision::Candidate;
-use crate::prefix::Slot;
+use crate::fleet::Slot;
 
 /// The CHWBL policy; the ring is rebuilt when the candidate set changes.
 pub struct KubeAiChwbl {

@@ -8,8 +8,8 @@ use rand::rngs::SmallRng;
 
 use crate::config::RouterConfig;
 use crate::decision::Candidate;
+use crate::fleet::Slot;
 use crate::fleet::{Fleet, Instance};
-use crate::prefix::Slot;
 use crate::request::RouteRequest;
 
 mod baselines;

@@ -16,7 +16,7 @@ use super::routed_prefixes::RoutedPrefixes;
 use super::{pick_then_by_load, Policy, PolicyTraits, ScoringContext, TieBreak};
 use crate::config::SglangConfig;
 use crate::decision::Candidate;
-use crate::prefix::Slot;
+use crate::fleet::Slot;
 
 /// The SGLang-style cache-aware policy with its own per-worker tree.
 pub struct SglangCacheAware {

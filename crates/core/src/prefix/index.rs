@@ -15,8 +15,7 @@
 
 use rustc_hash::FxHashMap;
 
-/// Dense index of an instance in the index (the router's instance slot).
-pub type Slot = u32;
+pub use crate::fleet::Slot;
 
 const NIL: u32 = u32::MAX;
 
