@@ -118,7 +118,8 @@ impl Exchange {
                 } else {
                     Vec::new()
                 };
-                if !matches!(self.stage, Stage::Done) || !out.is_empty() {
+                // After an immediate answer the stream is over: nothing more to say.
+                if !matches!(self.stage, Stage::Done) {
                     out.push(messages::trailers(true));
                 }
                 out
