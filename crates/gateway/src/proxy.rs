@@ -109,8 +109,9 @@ where
 pub struct Routed {
     /// The router's id of the request.
     pub rid: RequestId,
-    /// The decision (none for one leg of a disaggregated pair, routed already).
-    pub decision: Option<Decision>,
+    /// The decision (none for one leg of a disaggregated pair, routed already); shared by the
+    /// two legs of a disaggregated request.
+    pub decision: Option<Arc<Decision>>,
     /// Candidates to try, in order (the first already observed as `Routed`).
     pub candidates: Vec<Arc<Backend>>,
     /// Estimated prompt tokens (the plan of a request without a decision).
@@ -205,7 +206,7 @@ fn route_once(
     let prompt_tokens = decision.prompt_tokens;
     let routed = Routed {
         rid,
-        decision: Some(decision),
+        decision: Some(Arc::new(decision)),
         candidates,
         prompt_tokens,
         explain,
@@ -401,7 +402,7 @@ where
     if routed
         .decision
         .as_ref()
-        .is_some_and(Decision::is_disaggregated)
+        .is_some_and(|d| d.is_disaggregated())
     {
         let inject = gw.settings.inject_usage;
         // Boxed: a large future most requests never need.

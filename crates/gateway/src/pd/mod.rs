@@ -13,6 +13,7 @@
 //! prefill candidates of the same style. [`leg`] sends one leg to its ranked candidates, each
 //! leg recorded in the router as its own request.
 
+pub mod body;
 mod leg;
 pub mod nixl;
 pub mod sglang;
@@ -26,7 +27,6 @@ use axum::response::Response;
 use http::request::Parts;
 use http::{HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 use switchyard_core::Observation;
 
 use crate::backends::{Backend, BackendSpec};
@@ -90,9 +90,9 @@ pub(crate) async fn serve(
     inject_usage: bool,
     started: Instant,
 ) -> Response {
-    let original = match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(map)) => map,
-        _ => {
+    let original = match body::RawObject::parse(body) {
+        Some(o) => o,
+        None => {
             unsent(gw, &routed);
             let e = ApiError::malformed("expected a JSON object");
             return reject(gw, e, request_id);
@@ -122,8 +122,8 @@ pub(crate) async fn serve(
         request_id,
         started,
         strip_usage: inject_usage
-            && original.get("stream").and_then(Value::as_bool) == Some(true)
-            && !original.contains_key("stream_options"),
+            && original.bool("stream") == Some(true)
+            && !original.contains("stream_options"),
         original,
     };
     match style {
@@ -142,8 +142,8 @@ pub(crate) struct Request<'a> {
     pub(crate) started: Instant,
     /// The client streams without `stream_options`: ask for usage and strip it again.
     pub(crate) strip_usage: bool,
-    /// The client's body.
-    pub(crate) original: Map<String, Value>,
+    /// The client's body, as its top-level members.
+    pub(crate) original: body::RawObject<'a>,
 }
 
 /// The decode leg as its own request in the router: a new id over the eligible decode
@@ -179,11 +179,8 @@ fn unsent(gw: &Gateway, routed: &Routed) {
 }
 
 /// The `model` of a request body (for error messages).
-fn model_of(body: &Map<String, Value>) -> String {
-    body.get("model")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string()
+fn model_of(body: &body::RawObject<'_>) -> String {
+    body.string("model").unwrap_or_default()
 }
 
 /// Adds the prefill backend's name to a response, when debug headers are on.

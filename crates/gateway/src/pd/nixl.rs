@@ -14,8 +14,9 @@ use std::sync::Arc;
 use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
+use super::body::RawObject;
 use super::leg::{Leg, Try};
 use super::{name_prefill, Request};
 use crate::error::ApiError;
@@ -28,37 +29,36 @@ use crate::upstream::UpstreamBody;
 const PREFILL_BODY_LIMIT: usize = 4 << 20;
 
 /// The prefill leg's body: the original with `do_remote_decode`, no streaming, one token.
-pub fn prefill_body(original: &Map<String, Value>) -> Vec<u8> {
-    let mut body = original.clone();
-    body.insert(
-        "kv_transfer_params".into(),
-        json!({
-            "do_remote_decode": true,
-            "do_remote_prefill": false,
-            "remote_engine_id": null,
-            "remote_block_ids": null,
-            "remote_host": null,
-            "remote_port": null,
-        }),
-    );
-    body.insert("stream".into(), Value::Bool(false));
-    body.remove("stream_options");
-    body.insert("max_tokens".into(), json!(1));
-    if body.contains_key("max_completion_tokens") {
-        body.insert("max_completion_tokens".into(), json!(1));
+pub fn prefill_body(original: &RawObject<'_>) -> Vec<u8> {
+    let hand_off = json!({
+        "do_remote_decode": true,
+        "do_remote_prefill": false,
+        "remote_engine_id": null,
+        "remote_block_ids": null,
+        "remote_host": null,
+        "remote_port": null,
+    })
+    .to_string();
+    let mut set = vec![
+        ("kv_transfer_params", hand_off.as_str()),
+        ("stream", "false"),
+        ("max_tokens", "1"),
+    ];
+    if original.contains("max_completion_tokens") {
+        set.push(("max_completion_tokens", "1"));
     }
-    Value::Object(body).to_string().into_bytes()
+    original.with(&set, &["stream_options"])
 }
 
 /// The decode leg's body: the original with the prefill's hand-off, and (when `inject_usage`
 /// and the client streams without `stream_options`) a request for the final usage chunk.
-pub fn decode_body(original: Map<String, Value>, kv: Value, inject_usage: bool) -> Vec<u8> {
-    let mut body = original;
-    body.insert("kv_transfer_params".into(), kv);
+pub fn decode_body(original: &RawObject<'_>, kv: &Value, inject_usage: bool) -> Vec<u8> {
+    let kv = kv.to_string();
+    let mut set = vec![("kv_transfer_params", kv.as_str())];
     if inject_usage {
-        body.insert("stream_options".into(), json!({"include_usage": true}));
+        set.push(("stream_options", r#"{"include_usage":true}"#));
     }
-    Value::Object(body).to_string().into_bytes()
+    original.with(&set, &[])
 }
 
 /// Serves a disaggregated request: prefill leg, then the decode leg streamed to the client.
@@ -102,7 +102,7 @@ pub(crate) async fn serve(
     };
 
     let mut decode = Leg::new(gw, "decode", decode, false);
-    let body = Bytes::from(decode_body(req.original, kv, req.strip_usage));
+    let body = Bytes::from(decode_body(&req.original, &kv, req.strip_usage));
     let mut tries = 0;
     loop {
         if tries > 0 && decode.current().is_some() {
@@ -192,17 +192,15 @@ async fn read_hand_off(
 mod tests {
     use super::*;
 
-    fn map(v: Value) -> Map<String, Value> {
-        match v {
-            Value::Object(m) => m,
-            _ => unreachable!(),
-        }
+    fn bytes(v: Value) -> Vec<u8> {
+        serde_json::to_vec(&v).unwrap()
     }
 
     #[test]
     fn prefill_leg_asks_for_one_token_and_a_hand_off() {
-        let original = map(json!({"model": "m", "messages": [], "stream": true,
+        let body = bytes(json!({"model": "m", "messages": [], "stream": true,
             "stream_options": {"include_usage": true}, "max_completion_tokens": 50, "temperature": 0.1}));
+        let original = RawObject::parse(&body).unwrap();
         let v: Value = serde_json::from_slice(&prefill_body(&original)).unwrap();
         assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
         assert_eq!(v["kv_transfer_params"]["do_remote_prefill"], false);
@@ -215,14 +213,14 @@ mod tests {
 
     #[test]
     fn decode_leg_carries_the_hand_off() {
-        let original = map(json!({"model": "m", "prompt": "p", "stream": true}));
+        let body = bytes(json!({"model": "m", "prompt": "p", "stream": true}));
+        let original = RawObject::parse(&body).unwrap();
         let kv = json!({"do_remote_prefill": true, "remote_block_ids": [1, 2]});
-        let v: Value =
-            serde_json::from_slice(&decode_body(original.clone(), kv.clone(), true)).unwrap();
+        let v: Value = serde_json::from_slice(&decode_body(&original, &kv, true)).unwrap();
         assert_eq!(v["kv_transfer_params"], kv);
         assert_eq!(v["stream_options"]["include_usage"], true);
         assert_eq!(v["prompt"], "p");
-        let v: Value = serde_json::from_slice(&decode_body(original, kv, false)).unwrap();
+        let v: Value = serde_json::from_slice(&decode_body(&original, &kv, false)).unwrap();
         assert!(v.get("stream_options").is_none());
     }
 }

@@ -23,7 +23,9 @@ use axum::response::Response;
 use bytes::Bytes;
 use http::header;
 use http_body_util::BodyExt;
-use serde_json::{json, Map, Value};
+use serde_json::json;
+
+use super::body::RawObject;
 use tokio::task::JoinHandle;
 
 use super::leg::{exhausted, Leg, Try};
@@ -74,15 +76,19 @@ pub fn new_room() -> u64 {
 
 /// The body both legs get: the original with the bootstrap fields, and (when `inject_usage`,
 /// for a client streaming without `stream_options`) a request for the final usage chunk.
-pub fn pair_body(original: &Map<String, Value>, b: &Bootstrap, inject_usage: bool) -> Vec<u8> {
-    let mut body = original.clone();
-    body.insert("bootstrap_host".into(), json!(b.host));
-    body.insert("bootstrap_port".into(), json!(b.port));
-    body.insert("bootstrap_room".into(), json!(b.room));
+pub fn pair_body(original: &RawObject<'_>, b: &Bootstrap, inject_usage: bool) -> Vec<u8> {
+    let host = json!(b.host).to_string();
+    let port = b.port.to_string();
+    let room = b.room.to_string();
+    let mut set = vec![
+        ("bootstrap_host", host.as_str()),
+        ("bootstrap_port", port.as_str()),
+        ("bootstrap_room", room.as_str()),
+    ];
     if inject_usage {
-        body.insert("stream_options".into(), json!({"include_usage": true}));
+        set.push(("stream_options", r#"{"include_usage":true}"#));
     }
-    Value::Object(body).to_string().into_bytes()
+    original.with(&set, &[])
 }
 
 /// Serves a disaggregated request: pairs sent at once until one pair answers.
@@ -299,16 +305,17 @@ mod tests {
 
     #[test]
     fn both_legs_get_the_bootstrap_fields() {
-        let original = match json!({"model": "m", "prompt": "p", "stream": true, "max_tokens": 9}) {
-            Value::Object(m) => m,
-            _ => unreachable!(),
-        };
+        let body = serde_json::to_vec(
+            &json!({"model": "m", "prompt": "p", "stream": true, "max_tokens": 9}),
+        )
+        .unwrap();
+        let original = RawObject::parse(&body).unwrap();
         let b = Bootstrap {
             host: "10.0.0.1".into(),
             port: 8998,
             room: (1 << 62) + 5,
         };
-        let v: Value = serde_json::from_slice(&pair_body(&original, &b, true)).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&pair_body(&original, &b, true)).unwrap();
         assert_eq!(v["bootstrap_host"], "10.0.0.1");
         assert_eq!(v["bootstrap_port"], 8998);
         assert_eq!(v["bootstrap_room"], (1u64 << 62) + 5);
@@ -317,7 +324,8 @@ mod tests {
             (v["stream"].clone(), v["max_tokens"].clone()),
             (json!(true), json!(9))
         );
-        let v: Value = serde_json::from_slice(&pair_body(&original, &b, false)).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_slice(&pair_body(&original, &b, false)).unwrap();
         assert!(v.get("stream_options").is_none());
     }
 
