@@ -106,3 +106,67 @@ fn policy_lists_are_complete() {
         }
     }
 }
+
+/// The long flags in the table under `heading` (a `## ` line) of a document.
+fn section_flags(doc: &str, heading: &str) -> BTreeSet<String> {
+    let section = doc
+        .split(&format!("\n{heading}\n"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no section {heading}"))
+        .split("\n## ")
+        .next()
+        .unwrap_or_default();
+    section
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `--"))
+        .filter_map(|l| l.split('`').next())
+        .map(|f| format!("--{f}"))
+        .collect()
+}
+
+/// Every other subcommand's flags are in its document's flags table, and nothing more.
+#[test]
+fn every_subcommands_flags_are_documented() {
+    for (command, doc, heading) in [
+        (
+            "route",
+            "docs/gateway.md",
+            "## Dry run flags (`switchyard route --help`)",
+        ),
+        (
+            "demo",
+            "docs/gateway.md",
+            "## Demo flags (`switchyard demo --help`)",
+        ),
+        (
+            "sim",
+            "docs/simulator.md",
+            "## Flags (`switchyard sim --help`)",
+        ),
+        (
+            "engine",
+            "docs/emulator.md",
+            "## Flags (`switchyard engine --help`)",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+            .args([command, "--help"])
+            .output()
+            .expect("runs");
+        assert!(out.status.success());
+        let help = help_flags(&String::from_utf8_lossy(&out.stdout));
+        let text = std::fs::read_to_string(format!("{}/../../{doc}", env!("CARGO_MANIFEST_DIR")))
+            .expect("the document");
+        let documented = section_flags(&text, heading);
+        let missing: Vec<_> = help.difference(&documented).collect();
+        let stale: Vec<_> = documented.difference(&help).collect();
+        assert!(
+            missing.is_empty(),
+            "{command}: undocumented in {doc}: {missing:?}"
+        );
+        assert!(
+            stale.is_empty(),
+            "{command}: documented in {doc} but gone: {stale:?}"
+        );
+    }
+}
