@@ -340,6 +340,10 @@ pub struct Backend {
     failures: AtomicU32,
     /// Consecutive passed checks while ejected.
     successes: AtomicU32,
+    /// Ejections since the backend last served a request: each one doubles the passed checks
+    /// it needs to come back (an engine whose checks pass while it fails requests flaps ever
+    /// more slowly, as Envoy's outlier detection grows its ejection time).
+    ejections: AtomicU32,
     /// Requests in flight through the gateway.
     in_flight: AtomicI64,
     /// Engine kind, detected when configured `auto`.
@@ -390,6 +394,7 @@ impl Backend {
             removed: AtomicBool::new(false),
             failures: AtomicU32::new(0),
             successes: AtomicU32::new(0),
+            ejections: AtomicU32::new(0),
             in_flight: AtomicI64::new(0),
             metrics,
         })
@@ -448,10 +453,22 @@ impl Backend {
         self.successes.store(0, Ordering::Relaxed);
         let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
         if (refused || n >= eject_after) && self.healthy.swap(false, Ordering::AcqRel) {
+            self.ejections.fetch_add(1, Ordering::AcqRel);
             self.update_gauge();
             return HealthChange::Ejected;
         }
         HealthChange::None
+    }
+
+    /// Passed checks needed to come back: `readmit_after`, doubled for each ejection since the
+    /// backend last served a request (at most 32 times).
+    fn checks_to_readmit(&self, readmit_after: u32) -> u32 {
+        let doublings = self
+            .ejections
+            .load(Ordering::Acquire)
+            .saturating_sub(1)
+            .min(5);
+        readmit_after.saturating_mul(1 << doublings)
     }
 
     /// Records a passed health check.
@@ -461,7 +478,8 @@ impl Backend {
             return HealthChange::None;
         }
         let n = self.successes.fetch_add(1, Ordering::AcqRel) + 1;
-        if n >= readmit_after && !self.healthy.swap(true, Ordering::AcqRel) {
+        if n >= self.checks_to_readmit(readmit_after) && !self.healthy.swap(true, Ordering::AcqRel)
+        {
             self.successes.store(0, Ordering::Relaxed);
             self.update_gauge();
             return HealthChange::Readmitted;
@@ -469,10 +487,14 @@ impl Backend {
         HealthChange::None
     }
 
-    /// A request that reached the engine and got an answer: clears the failure streak.
+    /// A request that reached the engine and got an answer: clears the failure streak and the
+    /// ejection count.
     pub fn record_request_success(&self) {
         if self.failures.load(Ordering::Relaxed) != 0 {
             self.failures.store(0, Ordering::Relaxed);
+        }
+        if self.ejections.load(Ordering::Relaxed) != 0 {
+            self.ejections.store(0, Ordering::Relaxed);
         }
     }
 
@@ -593,5 +615,37 @@ mod tests {
         assert_eq!(b.record_failure(true, 3), HealthChange::Ejected);
         b.set_draining(true);
         assert_eq!(b.core_health(), switchyard_core::Health::Draining);
+    }
+
+    #[test]
+    fn each_ejection_without_a_served_request_doubles_the_way_back() {
+        let spec = BackendSpec::parse_flag("h:1,models=m").unwrap();
+        let id = InstanceId {
+            slot: 0,
+            generation: 0,
+        };
+        let b = Backend::new(spec.clone(), spec, id, BackendMetrics::detached()).unwrap();
+        let checks_to_come_back = |b: &Backend| {
+            (1..=100)
+                .find(|_| b.record_check_success(2) == HealthChange::Readmitted)
+                .unwrap()
+        };
+        assert_eq!(b.record_failure(true, 3), HealthChange::Ejected);
+        assert_eq!(checks_to_come_back(&b), 2);
+        assert_eq!(b.record_failure(true, 3), HealthChange::Ejected);
+        assert_eq!(checks_to_come_back(&b), 4);
+        assert_eq!(b.record_failure(true, 3), HealthChange::Ejected);
+        assert_eq!(checks_to_come_back(&b), 8);
+        // Serving a request proves it works again: back to the plain count.
+        b.record_request_success();
+        assert_eq!(b.record_failure(true, 3), HealthChange::Ejected);
+        assert_eq!(checks_to_come_back(&b), 2);
+        // Capped at 32 times.
+        for _ in 0..10 {
+            b.record_failure(true, 3);
+            checks_to_come_back(&b);
+        }
+        assert_eq!(b.record_failure(true, 3), HealthChange::Ejected);
+        assert_eq!(checks_to_come_back(&b), 64);
     }
 }
