@@ -496,6 +496,20 @@ async fn a_prefill_decode_pair_serves_disaggregated_requests() {
         r.header("x-switchyard-backend").unwrap(),
         decode.authority()
     );
+    // A long prompt the client wants run whole (`x-switchyard-phase: unified`) is not split.
+    let r = post_with(
+        &c,
+        &gw.url("/v1/completions"),
+        &json!({"model": MODEL, "prompt": prompt("whole", 9000), "max_tokens": 3}),
+        &[("x-switchyard-phase", "unified")],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(r.header("x-switchyard-prefill").is_none());
+    assert_eq!(
+        r.header("x-switchyard-backend").unwrap(),
+        decode.authority()
+    );
 
     // Streamed chat, usage not asked for: none shown.
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": 4, "stream": true});
@@ -529,8 +543,8 @@ async fn a_prefill_decode_pair_serves_disaggregated_requests() {
         )
     };
     assert_eq!(ok(&prefill), 2.0);
-    // Two decode legs and the short request run whole.
-    assert_eq!(ok(&decode), 3.0);
+    // Two decode legs, the short request and the unified one run whole.
+    assert_eq!(ok(&decode), 4.0);
 }
 
 #[tokio::test]

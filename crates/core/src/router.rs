@@ -372,8 +372,22 @@ impl Router {
             && unified.is_empty()
             && !prefill.is_empty()
             && !decode.is_empty();
+        // A request that must run whole (`Phase::Unified`) in a pool of prefill and decode
+        // instances runs on a decode instance, as selective disaggregation does.
+        let whole_on_decode = generates
+            && request.phase == Phase::Unified
+            && unified.is_empty()
+            && !decode.is_empty();
         let (mut candidates, mut decode_candidates) = if disaggregate {
             (prefill, decode)
+        } else if whole_on_decode {
+            for c in prefill {
+                excluded.push(Candidate {
+                    excluded: Some(Exclusion::WrongRole),
+                    ..c
+                });
+            }
+            (decode, Vec::new())
         } else {
             for c in prefill.into_iter().chain(decode) {
                 excluded.push(Candidate {

@@ -120,11 +120,20 @@ proptest! {
             for c in decision.eligible_candidates() {
                 prop_assert!(c.excluded.is_none());
                 let i = ids.iter().position(|&x| x == c.instance).unwrap();
-                // A request run whole on a decode instance (selective disaggregation) prefills
-                // its own prompt there; no other prefill ever reaches a decode-only instance.
+                // A request run whole on a decode instance (selective disaggregation, or one
+                // that must run whole in a pool without unified instances) prefills its own
+                // prompt there; no other prefill ever reaches a decode-only instance.
                 let whole_on_decode = !split && specs[i].role == Role::Decode;
                 if whole_on_decode {
-                    prop_assert!(!r.unified && policy == "cost", "whole request on a decode-only instance");
+                    // No instance that does both could take it.
+                    let no_unified = decision.candidates.iter().all(|c| {
+                        let j = ids.iter().position(|&x| x == c.instance).unwrap();
+                        specs[j].role != Role::Both || c.excluded.is_some()
+                    });
+                    prop_assert!(
+                        (!r.unified && policy == "cost") || (r.unified && no_unified),
+                        "whole request on a decode-only instance"
+                    );
                 }
                 check(c.instance, !whole_on_decode, !split)?;
             }

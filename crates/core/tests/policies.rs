@@ -285,16 +285,19 @@ fn disaggregated_pools_split_by_role() {
     assert_eq!(decision.best(), Some(p));
     assert_eq!(decision.best_decode(), Some(d));
     assert!(decision.decode[0].terms.transfer_s > 0.0);
-    // A request that must not be split has nowhere to go in a pool without `both` instances.
+    // A request that must not be split runs whole on a decode instance (there is no `both`
+    // instance), however long: the prefill instance cannot run it.
     let unified = RouteRequest {
         phase: switchyard_core::Phase::Unified,
-        ..RouteRequest::text("m", "hello")
+        ..RouteRequest::text("m", &long)
     };
     let decision = router.route(&unified, 0.0).unwrap();
-    assert_eq!(decision.best(), None);
+    assert!(!decision.is_disaggregated());
+    assert_eq!(decision.best(), Some(d));
     assert!(decision
         .candidates
         .iter()
+        .filter(|c| c.instance == p)
         .all(|c| c.excluded == Some(switchyard_core::Exclusion::WrongRole)));
 }
 

@@ -57,6 +57,7 @@ pub struct Exchange {
     path: String,
     method: String,
     session: Option<String>,
+    phase: Option<String>,
     subset: Option<Vec<String>>,
     body: BytesMut,
     stage: Stage,
@@ -72,6 +73,7 @@ impl Exchange {
             path: String::new(),
             method: String::new(),
             session: None,
+            phase: None,
             subset: None,
             body: BytesMut::new(),
             stage: Stage::Request,
@@ -92,6 +94,7 @@ impl Exchange {
                 self.path = headers.get(":path").cloned().unwrap_or_default();
                 self.method = headers.get(":method").cloned().unwrap_or_default();
                 self.session = headers.get("x-session-id").cloned();
+                self.phase = headers.get("x-switchyard-phase").cloned();
                 if h.end_of_stream {
                     return self.without_body();
                 }
@@ -219,10 +222,11 @@ impl Exchange {
             return self.answer(&ApiError::shutting_down());
         }
         let body = std::mem::take(&mut self.body).freeze();
-        let parsed = match parse::parse(&body, self.session.as_deref()) {
+        let mut parsed = match parse::parse(&body, self.session.as_deref()) {
             Ok(p) => p,
             Err(e) => return self.answer(&e),
         };
+        parsed.phase = parse::phase_header(self.phase.as_deref());
         let rid = self.gw.next_request();
         let routed = match proxy::route(&self.gw, &parsed, endpoint, rid).await {
             Ok(r) => r,

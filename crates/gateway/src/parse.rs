@@ -59,6 +59,18 @@ pub struct ParsedRequest<'a> {
     pub cache_salt: Option<Cow<'a, str>>,
     /// Sticky-session key: the `x-session-id` header, else the body's `user`.
     pub session_id: Option<Cow<'a, str>>,
+    /// `unified` when the `x-switchyard-phase: unified` header forbids splitting the request into
+    /// a prefill and a decode (set by the caller from the headers; see [`phase_header`]).
+    pub phase: Phase,
+}
+
+/// The phase a request asks for in its `x-switchyard-phase` header: `unified` runs it whole on
+/// one instance even in a disaggregated pool; anything else (or none) lets the router decide.
+pub fn phase_header(value: Option<&str>) -> Phase {
+    match value.map(str::trim) {
+        Some(v) if v.eq_ignore_ascii_case("unified") => Phase::Unified,
+        _ => Phase::Any,
+    }
 }
 
 /// Output budget assumed when a request gives none (vLLM's completion default is 16, chat's is
@@ -615,6 +627,7 @@ fn parse_serde<'a>(
         max_tokens: raw.max_completion_tokens.or(raw.max_tokens),
         cache_salt: raw.cache_salt,
         session_id: session_header.map(Cow::Borrowed).or(raw.user),
+        phase: Phase::Any,
     })
 }
 
@@ -694,6 +707,7 @@ fn parse_fast<'a>(body: &'a [u8], session_header: Option<&'a str>) -> Option<Par
         max_tokens: max_completion_tokens.or(max_tokens),
         cache_salt,
         session_id: session_header.map(Cow::Borrowed).or(user),
+        phase: Phase::Any,
     })
 }
 
@@ -788,7 +802,7 @@ impl ParsedRequest<'_> {
             max_tokens: self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
             cache_salt: self.cache_salt.as_deref(),
             session_id: self.session_id.as_deref(),
-            phase: Phase::Any,
+            phase: self.phase,
             token_ids: None,
             kind: Default::default(),
         };

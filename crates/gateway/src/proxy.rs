@@ -41,6 +41,8 @@ pub enum Endpoint {
 pub static REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// `x-session-id`.
 static SESSION_ID: HeaderName = HeaderName::from_static("x-session-id");
+/// `x-switchyard-phase` (see [`parse::phase_header`]).
+static PHASE: HeaderName = HeaderName::from_static("x-switchyard-phase");
 /// Debug header with the decision's explanation.
 pub static DECISION: HeaderName = HeaderName::from_static("x-switchyard-decision");
 /// Debug header naming the backend that answered.
@@ -371,10 +373,11 @@ where
         }
     };
     let session = parts.headers.get(&SESSION_ID).and_then(|v| v.to_str().ok());
-    let parsed = match parse::parse(&bytes, session) {
+    let mut parsed = match parse::parse(&bytes, session) {
         Ok(p) => p,
         Err(e) => return reject(&gw, e, &request_id),
     };
+    parsed.phase = parse::phase_header(parts.headers.get(&PHASE).and_then(|v| v.to_str().ok()));
     let routed = match route(&gw, &parsed, endpoint, rid).await {
         Ok(r) => r,
         Err(e) => return reject(&gw, e, &request_id),
