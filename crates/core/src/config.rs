@@ -17,7 +17,7 @@ pub struct ConfigError {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RouterConfig {
-    /// Policy name (see [`crate::policy::POLICY_NAMES`]).
+    /// Policy name (one of `policy::POLICY_NAMES`).
     pub policy: String,
     /// Seed of the router's random choices (tie-breaks, sampling baselines).
     pub seed: u64,

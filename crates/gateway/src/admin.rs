@@ -10,8 +10,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::proxy;
-use crate::server::{echo_id, with_id, Shared};
+use crate::proxy::{self, echo_id, with_id, Shared};
 use crate::state::Gateway;
 
 /// Equal-time comparison, so the token cannot be guessed byte by byte from timings.

@@ -1,6 +1,7 @@
 //! Backends: how one is described (CLI flag or fleet file) and its runtime state in the gateway.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU8, Ordering};
 
@@ -11,6 +12,37 @@ use switchyard_core::{InstanceId, InstanceSpec, Role};
 use thiserror::Error;
 
 use crate::metrics::BackendMetrics;
+
+/// How the prefill hands its KV cache to the decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PdStyle {
+    /// vLLM NixlConnector: prefill first, its `kv_transfer_params` then go to decode.
+    #[default]
+    Nixl,
+    /// SGLang: prefill and decode at once, paired by `bootstrap_host/port/room`.
+    Sglang,
+}
+
+impl FromStr for PdStyle {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "nixl" | "vllm" => Ok(PdStyle::Nixl),
+            "sglang" => Ok(PdStyle::Sglang),
+            _ => Err(format!("unknown disaggregation style `{s}` (nixl, sglang)")),
+        }
+    }
+}
+
+impl fmt::Display for PdStyle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PdStyle::Nixl => "nixl",
+            PdStyle::Sglang => "sglang",
+        })
+    }
+}
 
 /// Which engine's metric names a backend exposes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -92,7 +124,7 @@ pub struct BackendSpec {
     /// KV capacity in tokens, when known (engines that publish it override this).
     pub kv_capacity_tokens: Option<u64>,
     /// SGLang disaggregation bootstrap port of a prefill server; setting it makes this
-    /// backend's prefill legs SGLang-style (see `pd::PdStyle`).
+    /// backend's prefill legs SGLang-style (see [`PdStyle`]).
     pub bootstrap_port: Option<u16>,
 }
 

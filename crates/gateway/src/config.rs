@@ -67,7 +67,7 @@ pub struct Settings {
     pub inject_usage: bool,
     /// How disaggregated requests are handed from prefill to decode (a prefill backend's own
     /// `bootstrap_port` makes it SGLang-style whatever this says).
-    pub pd_style: crate::pd::PdStyle,
+    pub pd_style: crate::backends::PdStyle,
     /// LoRA adapter name -> path sent as `lora_path` to `/v1/load_lora_adapter`; dynamic
     /// placement (`router.placement`) loads and unloads only these adapters.
     pub lora_paths: std::collections::BTreeMap<String, String>,
@@ -107,7 +107,7 @@ impl Default for Settings {
             admin_token: None,
             debug_header: false,
             inject_usage: true,
-            pd_style: crate::pd::PdStyle::Nixl,
+            pd_style: crate::backends::PdStyle::Nixl,
             lora_paths: std::collections::BTreeMap::new(),
             model_aliases: BTreeMap::new(),
             strict_models: false,

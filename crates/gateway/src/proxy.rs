@@ -339,6 +339,21 @@ fn upstream_request(
     Ok(request)
 }
 
+/// Shared state as handlers receive it.
+pub type Shared = axum::extract::State<Arc<Gateway>>;
+
+/// The request id to echo on endpoints that do not proxy.
+pub fn echo_id(gw: &Gateway, headers: &HeaderMap) -> HeaderValue {
+    let rid = gw.next_request();
+    request_id(gw, headers, rid)
+}
+
+/// Adds the request id to a response.
+pub fn with_id(mut response: Response, id: HeaderValue) -> Response {
+    response.headers_mut().insert(REQUEST_ID.clone(), id);
+    response
+}
+
 /// Serves one OpenAI request end to end.
 pub async fn handle<B>(gw: Arc<Gateway>, endpoint: Endpoint, request: Request<B>) -> Response
 where

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -24,11 +24,10 @@ use crate::admin;
 use crate::bare_errors::ShapedErrors;
 use crate::drain::{self, Activity};
 use crate::error::ApiError;
-use crate::proxy::{self, Endpoint, REQUEST_ID};
+use crate::proxy::{self, Endpoint};
 use crate::state::Gateway;
 
-/// Shared state as handlers receive it.
-pub type Shared = State<Arc<Gateway>>;
+pub use crate::proxy::{echo_id, with_id, Shared};
 
 /// Every route.
 pub fn app(gw: Arc<Gateway>) -> Router {
@@ -242,18 +241,6 @@ async fn chat(State(gw): Shared, request: Request) -> Response {
 
 async fn embeddings(State(gw): Shared, request: Request) -> Response {
     proxy::handle(gw, Endpoint::Embeddings, request).await
-}
-
-/// The request id to echo on endpoints that do not proxy.
-pub fn echo_id(gw: &Gateway, headers: &HeaderMap) -> HeaderValue {
-    let rid = gw.next_request();
-    proxy::request_id(gw, headers, rid)
-}
-
-/// Adds the request id to a response.
-pub fn with_id(mut response: Response, id: HeaderValue) -> Response {
-    response.headers_mut().insert(REQUEST_ID.clone(), id);
-    response
 }
 
 /// `GET /v1/models`: the union of the fleet's base models and adapters (with `parent`), and the

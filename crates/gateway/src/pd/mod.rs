@@ -18,15 +18,12 @@ mod leg;
 pub mod nixl;
 pub mod sglang;
 
-use std::fmt;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::response::Response;
 use http::request::Parts;
 use http::{HeaderName, HeaderValue};
-use serde::{Deserialize, Serialize};
 use switchyard_core::Observation;
 
 use crate::backends::{Backend, BackendSpec};
@@ -40,36 +37,7 @@ pub static PREFILL: HeaderName = HeaderName::from_static("x-switchyard-prefill")
 /// SGLang's default disaggregation bootstrap port (`--disaggregation-bootstrap-port`).
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
-/// How the prefill hands its KV cache to the decode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PdStyle {
-    /// vLLM NixlConnector: prefill first, its `kv_transfer_params` then go to decode.
-    #[default]
-    Nixl,
-    /// SGLang: prefill and decode at once, paired by `bootstrap_host/port/room`.
-    Sglang,
-}
-
-impl FromStr for PdStyle {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "nixl" | "vllm" => Ok(PdStyle::Nixl),
-            "sglang" => Ok(PdStyle::Sglang),
-            _ => Err(format!("unknown disaggregation style `{s}` (nixl, sglang)")),
-        }
-    }
-}
-
-impl fmt::Display for PdStyle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            PdStyle::Nixl => "nixl",
-            PdStyle::Sglang => "sglang",
-        })
-    }
-}
+pub use crate::backends::PdStyle;
 
 /// The style of a prefill backend: SGLang when it has a bootstrap port, else the default.
 pub fn style_of(spec: &BackendSpec, default: PdStyle) -> PdStyle {
