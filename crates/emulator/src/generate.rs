@@ -27,8 +27,8 @@ use crate::openai::{
 };
 use crate::pd;
 use crate::runner::{RunnerError, Submission};
-use crate::server::SharedState;
 use crate::sse;
+use crate::state::SharedState;
 
 /// vLLM's default `max_tokens` for `/v1/completions`.
 pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;

@@ -15,7 +15,7 @@ use crate::error::ApiError;
 use crate::generate::{self, body_error, Prepared};
 use crate::openai::{self, ChatMessage};
 use crate::runner::RunnerError;
-use crate::server::SharedState;
+use crate::state::SharedState;
 
 /// `GET /health` (also `/ping`): 200 with an empty body while the engine
 /// task answers, 503 once it is gone (as vLLM does for a dead engine).

@@ -34,6 +34,7 @@ pub mod runner;
 pub mod server;
 pub mod sglang;
 pub mod sse;
+pub mod state;
 
 pub use server::{start, EmulatorConfig, RunningServer, ServerError};
 

@@ -15,7 +15,7 @@ use serde_json::json;
 use switchyard_engine::Role;
 
 use crate::error::ApiError;
-use crate::server::SharedState;
+use crate::state::SharedState;
 
 /// `GET /health_generate`: SGLang runs a one-token generation; the emulator's
 /// engine task answering a metrics query is the equivalent liveness proof.
