@@ -1,12 +1,9 @@
 //! Model discovery: a backend configured without models is asked for its `/v1/models` (base
 //! models, and LoRA adapters as the entries with a `parent`) before it joins the router.
 
-use std::sync::Arc;
-
 use serde::Deserialize;
 
 use crate::backends::{BackendSpec, BaseUrl};
-use crate::membership;
 use crate::state::Gateway;
 
 /// `/v1/models` as engines answer it.
@@ -40,18 +37,16 @@ pub fn parse_models(body: &[u8]) -> Result<(Vec<String>, Vec<String>), String> {
     Ok((models, adapters))
 }
 
-/// Asks the backend for its models until it answers (or leaves the fleet), then joins it.
-pub async fn discover_then_join(gw: Arc<Gateway>, configured: BackendSpec) {
-    let Ok(base) = BaseUrl::parse(&configured.address) else {
-        return;
-    };
-    let Ok(uri) = base.uri("/v1/models") else {
-        return;
-    };
+/// Asks the backend for its models until it answers (or leaves the fleet); returns its spec
+/// with them filled in (`None`: it left, or its address is unusable). Joining the fleet is the
+/// caller's ([`crate::membership`]).
+pub async fn discover(gw: &Gateway, configured: &BackendSpec) -> Option<BackendSpec> {
+    let base = BaseUrl::parse(&configured.address).ok()?;
+    let uri = base.uri("/v1/models").ok()?;
     let mut logged = false;
     loop {
-        if gw.registry.lock().pending.get(&configured.name) != Some(&configured) {
-            return;
+        if gw.registry.lock().pending.get(&configured.name) != Some(configured) {
+            return None;
         }
         let answer = gw
             .upstream
@@ -69,10 +64,7 @@ pub async fn discover_then_join(gw: Arc<Gateway>, configured: BackendSpec) {
                 if spec.adapters.is_empty() {
                     spec.adapters = adapters;
                 }
-                if let Err(e) = membership::join(&gw, configured, spec, true) {
-                    tracing::warn!("discovery: {e}");
-                }
-                return;
+                return Some(spec);
             }
             Err(e) => {
                 if !logged {

@@ -18,7 +18,14 @@ pub fn add(gw: &Arc<Gateway>, spec: BackendSpec) {
             .pending
             .insert(spec.name.clone(), spec.clone());
         let gw = gw.clone();
-        tokio::spawn(async move { discovery::discover_then_join(gw, spec).await });
+        tokio::spawn(async move {
+            let Some(found) = discovery::discover(&gw, &spec).await else {
+                return;
+            };
+            if let Err(e) = join(&gw, spec, found, true) {
+                tracing::warn!("discovery: {e}");
+            }
+        });
     } else if let Err(e) = join(gw, spec.clone(), spec, false) {
         tracing::error!("cannot add backend: {e}");
     }
