@@ -3,6 +3,20 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+/// The values the `policy` setting accepts (`policy::by_name` builds each), the default first.
+pub const POLICY_NAMES: &[&str] = &[
+    "cost",
+    "round-robin",
+    "random",
+    "least-load",
+    "power-of-two",
+    "sglang-cache-aware",
+    "dynamo-kv",
+    "gie",
+    "gie-lora",
+    "kubeai-chwbl",
+];
+
 /// A setting out of its range.
 #[derive(Debug, Error, PartialEq)]
 #[error("invalid router setting `{key}`: {reason}")]
@@ -17,7 +31,7 @@ pub struct ConfigError {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RouterConfig {
-    /// Policy name (one of `policy::POLICY_NAMES`).
+    /// Policy name (one of [`POLICY_NAMES`]).
     pub policy: String,
     /// Seed of the router's random choices (tie-breaks, sampling baselines).
     pub seed: u64,
@@ -288,7 +302,7 @@ impl Default for KubeAiConfig {
     }
 }
 
-/// Dynamic LoRA adapter placement (see [`crate::placement`]): when a hot adapter gets another
+/// Dynamic LoRA adapter placement (the `placement` module): when a hot adapter gets another
 /// instance and a cold copy is unloaded, with hysteresis and per-instance cooldowns.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -396,12 +410,9 @@ impl RouterConfig {
         let finite_pos = |x: f64| x.is_finite() && x > 0.0;
         let finite_nonneg = |x: f64| x.is_finite() && x >= 0.0;
         check(
-            crate::policy::POLICY_NAMES.contains(&self.policy.as_str()),
+            POLICY_NAMES.contains(&self.policy.as_str()),
             "policy",
-            &format!(
-                "unknown policy; choose one of {}",
-                crate::policy::POLICY_NAMES.join(", ")
-            ),
+            &format!("unknown policy; choose one of {}", POLICY_NAMES.join(", ")),
         )?;
         check(
             self.ranked_candidates >= 1,

@@ -233,9 +233,9 @@ pub struct RoutePlan {
     /// Hash of the request's session key, if any: the routed instance becomes the session's
     /// last instance.
     pub(crate) session: Option<u64>,
-    /// The policy that decided, and what it keeps for [`crate::policy::Policy::on_routed`].
+    /// The policy that decided, and what it keeps for its `on_routed` hook.
     pub(crate) policy: &'static str,
-    /// See [`crate::policy::Policy::memo`].
+    /// What the policy computed while scoring, for that hook (`Policy::memo`).
     pub(crate) memo: Vec<u64>,
 }
 

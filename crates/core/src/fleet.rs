@@ -5,18 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::prefix::CacheSurvival;
 
-/// Dense index of an instance in the fleet (reused after it leaves; with a generation it makes
-/// an [`InstanceId`]). Per-instance tables such as the prefix index are keyed by it.
-pub type Slot = u32;
-
-/// Stable handle of an instance; a removed instance's handle never matches a later one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct InstanceId {
-    /// Dense slot, reused after removal.
-    pub slot: Slot,
-    /// Bumped on each reuse of the slot.
-    pub generation: u32,
-}
+pub use crate::id::{InstanceId, Slot};
 
 /// What part of inference an instance does (disaggregated serving splits them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

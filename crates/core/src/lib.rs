@@ -21,6 +21,7 @@ pub mod config;
 pub mod decision;
 pub mod exact;
 pub mod fleet;
+pub mod id;
 mod ladder;
 pub mod models;
 pub mod observe;

@@ -39,7 +39,7 @@ pub fn parse_models(body: &[u8]) -> Result<(Vec<String>, Vec<String>), String> {
 
 /// Asks the backend for its models until it answers (or leaves the fleet); returns its spec
 /// with them filled in (`None`: it left, or its address is unusable). Joining the fleet is the
-/// caller's ([`crate::membership`]).
+/// caller's (the membership module).
 pub async fn discover(gw: &Gateway, configured: &BackendSpec) -> Option<BackendSpec> {
     let base = BaseUrl::parse(&configured.address).ok()?;
     let uri = base.uri("/v1/models").ok()?;

@@ -23,19 +23,7 @@ mod sglang;
 
 pub use cost::{decode_terms, prefill_terms};
 
-/// Names accepted by [`by_name`], the default first.
-pub const POLICY_NAMES: &[&str] = &[
-    "cost",
-    "round-robin",
-    "random",
-    "least-load",
-    "power-of-two",
-    "sglang-cache-aware",
-    "dynamo-kv",
-    "gie",
-    "gie-lora",
-    "kubeai-chwbl",
-];
+pub use crate::config::POLICY_NAMES;
 
 /// Which half of a request is being placed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -15,7 +15,7 @@
 
 use rustc_hash::FxHashMap;
 
-pub use crate::fleet::Slot;
+pub use crate::id::Slot;
 
 const NIL: u32 = u32::MAX;
 
