@@ -1,11 +1,11 @@
 //! Dynamic LoRA adapter placement (`--dynamic-lora-placement`): every `placement.interval_s`
-//! the core's [`Planner`] looks at per-adapter demand and at which backend holds which adapter,
+//! the core's [`Planner`](switchyard_core::placement::Planner) looks at per-adapter demand and at which backend holds which adapter,
 //! and this task carries the plan out with vLLM's `POST /v1/load_lora_adapter
 //! {lora_name, lora_path}` and `POST /v1/unload_lora_adapter {lora_name}`.
 //!
-//! The gateway's view of who holds what is each backend's configured or discovered adapters,
-//! plus what placement loaded, minus what it unloaded ([`PlacementState`]); it changes as soon as
-//! an action succeeds, not at the next scrape:
+//! Who holds which adapter is the core's (each instance's adapters, configured or discovered,
+//! kept by `AdapterLoaded` / `AdapterUnloaded`); the registry keeps only the planner's demand
+//! and plan. The view changes as soon as an action succeeds, not at the next scrape:
 //!
 //! * a successful load tells the router at once ([`Observation::AdapterLoaded`]): the backend
 //!   is a candidate for the adapter, priced as resident;
@@ -25,36 +25,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{header, Request, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
-use switchyard_core::placement::{
-    AdapterView, InstanceView, PlacementAction, PlacementConfig, Planner,
-};
+use switchyard_core::placement::{AdapterView, InstanceView, PlacementAction};
 use switchyard_core::{Health, Observation};
 
 use crate::backends::Backend;
 use crate::state::Gateway;
 use crate::upstream::{classify, Failure};
-
-/// What placement knows, kept in the registry (under the router lock): the demand and the
-/// plan. Which instance holds which adapter is the core's (`InstanceSpec::adapters`, kept by
-/// `AdapterLoaded` / `AdapterUnloaded`), read from there.
-pub struct PlacementState {
-    /// Demand, cooldowns, residency clocks and the plan.
-    pub planner: Planner,
-}
-
-impl PlacementState {
-    /// Nothing placed yet.
-    pub fn new(config: PlacementConfig) -> Self {
-        PlacementState {
-            planner: Planner::new(config),
-        }
-    }
-
-    /// Counts one dispatched request for `adapter`.
-    pub fn record(&mut self, adapter: &str, now: f64) {
-        self.planner.record(adapter, now);
-    }
-}
 
 /// Plans and executes placements every `placement.interval_s` until shutdown.
 pub async fn run(gw: Arc<Gateway>) {
@@ -108,10 +84,10 @@ fn plan(gw: &Gateway) -> (Vec<PlacementAction>, Vec<(String, f64)>) {
             })
         })
         .collect();
-    let actions = state.planner.plan(&instances, &adapters, now);
+    let actions = state.plan(&instances, &adapters, now);
     let demand = adapters
         .iter()
-        .map(|a| (a.name.clone(), state.planner.demand(&a.name, now)))
+        .map(|a| (a.name.clone(), state.demand(&a.name, now)))
         .collect();
     (actions, demand)
 }
@@ -150,7 +126,7 @@ async fn execute(gw: &Arc<Gateway>, actions: Vec<PlacementAction>) {
         };
         let now = gw.now();
         if let Some(state) = gw.registry.lock().placement.as_mut() {
-            state.planner.applied(&action, ok, now);
+            state.applied(&action, ok, now);
         }
         gw.metrics.placement(&name, &adapter, action.kind(), ok);
         gw.admission.wake();

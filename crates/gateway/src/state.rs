@@ -35,8 +35,8 @@ pub struct Registry {
     pub leaving: HashSet<String>,
     /// Names the fleet file listed at its last load.
     pub from_file: HashSet<String>,
-    /// Dynamic adapter placement (`--dynamic-lora-placement`): demand and what it changed.
-    pub placement: Option<crate::adapter_loader::PlacementState>,
+    /// Dynamic adapter placement (`--dynamic-lora-placement`): the demand and the plan.
+    pub placement: Option<switchyard_core::placement::Planner>,
     /// Model aliases (flags and fleet file merged): alias -> target.
     aliases: HashMap<String, String>,
     /// `--strict-models`: no single-model fallback.
@@ -290,7 +290,7 @@ impl Gateway {
         );
         registry.set_strict_models(settings.strict_models);
         if settings.router.placement.enabled {
-            registry.placement = Some(crate::adapter_loader::PlacementState::new(
+            registry.placement = Some(switchyard_core::placement::Planner::new(
                 settings.router.placement.clone(),
             ));
         }
