@@ -2,8 +2,8 @@
 //! engines, driving the routing core (`switchyard_core`).
 //!
 //! Where things happen:
-//! * a request is read and parsed in [`parse`], routed and sent in [`proxy`] (retries,
-//!   timeouts), and its response watched on the way back in [`stream`] (first token, usage,
+//! * a request is read and parsed in [`parse`], routed in [`proxy`], sent in [`forward`]
+//!   (candidates in turn, timeouts, failures held against engines), and its response watched on the way back in [`stream`] (first token, usage,
 //!   client disconnect);
 //! * saturated requests wait in [`admission`]; disaggregated ones (prefill and decode on
 //!   different instances) are orchestrated in [`pd`];
@@ -28,6 +28,7 @@ pub mod config;
 pub mod discovery;
 pub mod drain;
 pub mod error;
+pub mod forward;
 pub mod health;
 mod json;
 pub mod membership;

@@ -14,7 +14,7 @@ use switchyard_core::Observation;
 
 use crate::backends::Backend;
 use crate::error::ApiError;
-use crate::proxy::{attempt, Routed};
+use crate::forward::{attempt, Routed};
 use crate::state::Gateway;
 use crate::stream::RequestGuard;
 use crate::upstream::UpstreamBody;

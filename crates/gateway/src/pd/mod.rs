@@ -28,7 +28,7 @@ use switchyard_core::Observation;
 
 use crate::backends::{Backend, BackendSpec};
 use crate::error::ApiError;
-use crate::proxy::{reject, Routed};
+use crate::forward::{reject, Routed};
 use crate::state::Gateway;
 
 /// Debug header naming the prefill backend of a disaggregated request.

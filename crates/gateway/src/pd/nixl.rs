@@ -20,7 +20,7 @@ use super::body::RawObject;
 use super::leg::{Leg, Try};
 use super::{name_prefill, Request};
 use crate::error::ApiError;
-use crate::proxy::{reject, respond, Routed};
+use crate::forward::{reject, respond, Routed};
 use crate::state::Gateway;
 use crate::stream::{read_usage, RequestGuard};
 use crate::upstream::UpstreamBody;

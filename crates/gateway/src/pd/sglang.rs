@@ -32,7 +32,7 @@ use super::leg::{exhausted, Leg, Try};
 use super::{name_prefill, Request, DEFAULT_BOOTSTRAP_PORT};
 use crate::backends::Backend;
 use crate::error::ApiError;
-use crate::proxy::{reject, respond, Routed};
+use crate::forward::{reject, respond, Routed};
 use crate::state::Gateway;
 use crate::stream::{ObservedBody, RequestGuard};
 use crate::upstream::UpstreamBody;
