@@ -5,13 +5,10 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::workload_args::{workload_spec, WorkloadArgs};
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use switchyard_loadgen::plan::write_plan;
-use switchyard_loadgen::switchyard_workload::{
-    AdapterMix, ArrivalProcess, ChatSpec, Count, Delay, GroupSelection, JsonlSpec,
-    SharedPrefixSpec, TraceSpec, WorkloadSpec,
-};
 use switchyard_loadgen::{discover_model, Api, Plan, PlanOptions, RunOptions};
 
 /// Which endpoint requests go to.
@@ -21,83 +18,6 @@ pub enum ApiArg {
     Chat,
     /// POST /v1/completions (prompt).
     Completions,
-}
-
-/// Workload flags; the names and meanings are those of `switchyard sim`.
-#[derive(Debug, Clone, Args)]
-pub struct WorkloadArgs {
-    /// Workload spec file (JSON `WorkloadSpec`), or a request file ending in .jsonl or
-    /// .jsonl.xz; overrides the workload flags below.
-    #[arg(long, value_name = "FILE")]
-    workload: Option<PathBuf>,
-    /// Replay a trace: `mooncake` (the shipped conversation trace) or a Mooncake-format file.
-    #[arg(long, value_name = "NAME|FILE")]
-    trace: Option<String>,
-    /// Trace arrival speed-up (2 = twice the trace's rate).
-    #[arg(long, default_value_t = 1.0)]
-    rate_scale: f64,
-    /// Send at most this many requests (for a trace: keep at most this many rows).
-    #[arg(long)]
-    max_requests: Option<u64>,
-    /// Keep trace rows from this trace time on (seconds).
-    #[arg(long)]
-    start_s: Option<f64>,
-    /// Keep trace rows before this trace time (seconds).
-    #[arg(long)]
-    end_s: Option<f64>,
-    /// Generated shared-prefix groups (SGLang's generated-shared-prefix benchmark).
-    #[arg(long)]
-    shared_prefix: bool,
-    /// Shared-prefix: number of groups (system prompts).
-    #[arg(long, default_value_t = 64)]
-    groups: u32,
-    /// Shared-prefix: requests per group in one epoch.
-    #[arg(long, default_value_t = 16)]
-    prompts_per_group: u32,
-    /// System prompt tokens (default 2048 with --shared-prefix, 0 with --chat).
-    #[arg(long)]
-    system_prompt_len: Option<u32>,
-    /// Shared-prefix: question tokens.
-    #[arg(long, default_value_t = 128)]
-    question_len: u32,
-    /// Output tokens per request (shared-prefix), or per assistant answer (chat).
-    #[arg(long, default_value_t = 256)]
-    output_len: u32,
-    /// Shared-prefix: draw each request's group with Zipf popularity of this exponent.
-    #[arg(long)]
-    zipf: Option<f64>,
-    /// Shared-prefix: total requests (default one epoch: groups × prompts per group).
-    #[arg(long)]
-    num_requests: Option<u64>,
-    /// Multi-turn chat sessions (each turn's prompt is the whole conversation so far).
-    #[arg(long)]
-    chat: bool,
-    /// Chat: number of sessions.
-    #[arg(long, default_value_t = 100)]
-    sessions: u64,
-    /// Chat: turns per session.
-    #[arg(long, default_value_t = 5)]
-    turns: u32,
-    /// Chat: tokens of each user message.
-    #[arg(long, default_value_t = 128)]
-    user_len: u32,
-    /// Chat: mean seconds (exponential) from one turn's arrival to the next turn's.
-    #[arg(long, default_value_t = 10.0)]
-    think_time: f64,
-    /// Poisson arrivals at this rate (requests/s, or sessions/s with --chat) for generated
-    /// workloads (default: all at 0); for a trace or a .jsonl file, replaces its timestamps.
-    #[arg(long)]
-    rate: Option<f64>,
-    /// With --rate: gamma-distributed gaps with this coefficient of variation instead of
-    /// Poisson (1 = Poisson, > 1 burstier).
-    #[arg(long)]
-    arrival_cv: Option<f64>,
-    /// Give requests LoRA adapters: this many, with Zipf popularity (see --adapter-zipf).
-    #[arg(long)]
-    adapters: Option<u32>,
-    /// Zipf exponent of adapter popularity.
-    #[arg(long, default_value_t = 1.0)]
-    adapter_zipf: f64,
 }
 
 /// Arguments of `switchyard bench`.
@@ -159,85 +79,6 @@ pub struct BenchArgs {
     /// No progress bar and no progress messages on stderr.
     #[arg(long)]
     quiet: bool,
-}
-
-/// Gap process for `--rate` and `--arrival-cv`.
-fn arrivals(rate: f64, cv: Option<f64>) -> ArrivalProcess {
-    match cv {
-        Some(cv) if cv != 1.0 => ArrivalProcess::Gamma { rate, cv },
-        _ => ArrivalProcess::Poisson { rate },
-    }
-}
-
-/// The workload the flags describe.
-pub fn workload_spec(a: &WorkloadArgs) -> anyhow::Result<WorkloadSpec> {
-    let timed = a.rate.map(|r| arrivals(r, a.arrival_cv));
-    let base = if let Some(path) = &a.workload {
-        let name = path.to_string_lossy();
-        if name.ends_with(".jsonl") || name.ends_with(".jsonl.xz") {
-            WorkloadSpec::Jsonl(JsonlSpec {
-                path: path.clone(),
-                arrivals: timed,
-            })
-        } else {
-            WorkloadSpec::from_file(path).with_context(|| format!("reading {}", path.display()))?
-        }
-    } else if let Some(trace) = &a.trace {
-        WorkloadSpec::Trace(TraceSpec {
-            path: if trace == "mooncake" {
-                PathBuf::new()
-            } else {
-                PathBuf::from(trace)
-            },
-            rate_scale: a.rate_scale,
-            start_s: a.start_s,
-            end_s: a.end_s,
-            max_requests: a.max_requests,
-            arrivals: timed,
-            ..TraceSpec::default()
-        })
-    } else if a.shared_prefix {
-        WorkloadSpec::SharedPrefix(SharedPrefixSpec {
-            num_groups: a.groups,
-            prompts_per_group: a.prompts_per_group,
-            system_prompt_len: a.system_prompt_len.unwrap_or(2048),
-            question_len: a.question_len,
-            output_len: a.output_len,
-            num_requests: a.num_requests,
-            group_selection: match a.zipf {
-                Some(exponent) => GroupSelection::Zipf { exponent },
-                None => GroupSelection::Shuffled,
-            },
-            arrivals: timed.unwrap_or(ArrivalProcess::Instant),
-            ..SharedPrefixSpec::default()
-        })
-    } else if a.chat {
-        WorkloadSpec::Chat(ChatSpec {
-            sessions: a.sessions,
-            turns: Count::Fixed(a.turns),
-            system_prompt_len: a.system_prompt_len.unwrap_or(0),
-            user_len: Count::Fixed(a.user_len),
-            assistant_len: Count::Fixed(a.output_len),
-            think_time: Delay::Exponential {
-                mean_s: a.think_time,
-            },
-            arrivals: timed.unwrap_or(ArrivalProcess::Instant),
-            ..ChatSpec::default()
-        })
-    } else {
-        bail!("choose a workload: --workload FILE, --trace mooncake, --shared-prefix or --chat");
-    };
-    Ok(match a.adapters {
-        Some(adapters) => WorkloadSpec::Adapters {
-            workload: Box::new(base),
-            mix: AdapterMix {
-                adapters,
-                zipf_exponent: a.adapter_zipf,
-                ..AdapterMix::default()
-            },
-        },
-        None => base,
-    })
 }
 
 /// Runs `switchyard bench`.
@@ -329,6 +170,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use clap::Parser;
+    use switchyard_loadgen::switchyard_workload::{
+        ArrivalProcess, Count, Delay, GroupSelection, JsonlSpec, WorkloadSpec,
+    };
 
     #[derive(Parser)]
     struct Cli {

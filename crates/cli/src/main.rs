@@ -7,6 +7,7 @@ mod epp_cmd;
 mod route_cmd;
 mod serve_cmd;
 mod sim_cmd;
+mod workload_args;
 
 use clap::{Parser, Subcommand};
 

@@ -8,11 +8,10 @@ use clap::Args;
 use switchyard_core::RouterConfig;
 use switchyard_sim::config::{default_engine, groups_for_roles, parse_roles};
 use switchyard_sim::switchyard_engine::{EngineConfig, Profile};
-use switchyard_sim::switchyard_workload::{
-    AdapterMix, ArrivalProcess, GroupSelection, PopularityShift, SharedPrefixSpec, TraceSpec,
-    WorkloadSpec,
-};
+use switchyard_sim::switchyard_workload::WorkloadSpec;
 use switchyard_sim::{FleetFile, InstanceGroup, SimConfig, Split};
+
+use crate::workload_args::{workload_spec, WorkloadArgs};
 
 /// Arguments of `switchyard sim`.
 #[derive(Debug, Args)]
@@ -21,62 +20,8 @@ pub struct SimArgs {
     #[arg(long, value_delimiter = ',')]
     policies: Vec<String>,
 
-    /// Workload spec file (JSON `WorkloadSpec`); overrides the workload flags below.
-    #[arg(long, value_name = "FILE")]
-    workload: Option<PathBuf>,
-    /// Replay a trace: `mooncake` (the shipped conversation trace) or a Mooncake-format file.
-    #[arg(long, value_name = "NAME|FILE")]
-    trace: Option<String>,
-    /// Trace arrival speed-up (2 = twice the trace's rate).
-    #[arg(long, default_value_t = 1.0)]
-    rate_scale: f64,
-    /// Keep at most this many trace rows.
-    #[arg(long)]
-    max_requests: Option<u64>,
-    /// Keep trace rows from this trace time on (seconds).
-    #[arg(long)]
-    start_s: Option<f64>,
-    /// Keep trace rows before this trace time (seconds).
-    #[arg(long)]
-    end_s: Option<f64>,
-    /// Generated shared-prefix groups (SGLang's generated-shared-prefix benchmark).
-    #[arg(long)]
-    shared_prefix: bool,
-    /// Shared-prefix: number of groups (system prompts).
-    #[arg(long, default_value_t = 64)]
-    groups: u32,
-    /// Shared-prefix: requests per group in one epoch.
-    #[arg(long, default_value_t = 16)]
-    prompts_per_group: u32,
-    /// Shared-prefix: system prompt tokens.
-    #[arg(long, default_value_t = 2048)]
-    system_prompt_len: u32,
-    /// Shared-prefix: question tokens.
-    #[arg(long, default_value_t = 128)]
-    question_len: u32,
-    /// Shared-prefix: output tokens.
-    #[arg(long, default_value_t = 256)]
-    output_len: u32,
-    /// Shared-prefix: draw each request's group with Zipf popularity of this exponent.
-    #[arg(long)]
-    zipf: Option<f64>,
-    /// Shared-prefix: total requests (default one epoch: groups × prompts per group).
-    #[arg(long)]
-    num_requests: Option<u64>,
-    /// Poisson arrivals at this rate (requests/s) for generated workloads (default: all at 0);
-    /// for a trace, replaces its timestamps.
-    #[arg(long)]
-    rate: Option<f64>,
-    /// Give requests LoRA adapters: this many, with Zipf popularity (see --adapter-zipf).
-    #[arg(long)]
-    adapters: Option<u32>,
-    /// Zipf exponent of adapter popularity.
-    #[arg(long, default_value_t = 1.0)]
-    adapter_zipf: f64,
-    /// Popularity shift: after this fraction of the requests (0..=1) the adapter ranking is
-    /// replaced by a seeded permutation with a different favourite (needs --adapters).
-    #[arg(long, value_name = "FRACTION")]
-    adapter_shift_at: Option<f64>,
+    #[command(flatten)]
+    workload: WorkloadArgs,
 
     /// Instances (all both-role unless --roles or --fleet).
     #[arg(long, default_value_t = 8)]
@@ -171,60 +116,7 @@ pub struct SimArgs {
 }
 
 fn workload(args: &SimArgs) -> anyhow::Result<WorkloadSpec> {
-    let base =
-        if let Some(path) = &args.workload {
-            WorkloadSpec::from_file(path).with_context(|| format!("reading {}", path.display()))?
-        } else if let Some(trace) = &args.trace {
-            WorkloadSpec::Trace(TraceSpec {
-                path: if trace == "mooncake" {
-                    PathBuf::new()
-                } else {
-                    PathBuf::from(trace)
-                },
-                rate_scale: args.rate_scale,
-                start_s: args.start_s,
-                end_s: args.end_s,
-                max_requests: args.max_requests,
-                arrivals: args.rate.map(|rate| ArrivalProcess::Poisson { rate }),
-                ..TraceSpec::default()
-            })
-        } else if args.shared_prefix {
-            WorkloadSpec::SharedPrefix(SharedPrefixSpec {
-                num_groups: args.groups,
-                prompts_per_group: args.prompts_per_group,
-                system_prompt_len: args.system_prompt_len,
-                question_len: args.question_len,
-                output_len: args.output_len,
-                num_requests: args.num_requests,
-                group_selection: match args.zipf {
-                    Some(exponent) => GroupSelection::Zipf { exponent },
-                    None => GroupSelection::Shuffled,
-                },
-                arrivals: args.rate.map_or(ArrivalProcess::Instant, |rate| {
-                    ArrivalProcess::Poisson { rate }
-                }),
-                ..SharedPrefixSpec::default()
-            })
-        } else {
-            bail!("choose a workload: --workload FILE, --trace mooncake or --shared-prefix");
-        };
-    Ok(match args.adapters {
-        Some(adapters) => WorkloadSpec::Adapters {
-            workload: Box::new(base),
-            mix: AdapterMix {
-                adapters,
-                zipf_exponent: args.adapter_zipf,
-                shift: args
-                    .adapter_shift_at
-                    .map(|at_fraction| PopularityShift { at_fraction }),
-                ..AdapterMix::default()
-            },
-        },
-        None if args.adapter_shift_at.is_some() => {
-            bail!("--adapter-shift-at needs --adapters N")
-        }
-        None => base,
-    })
+    workload_spec(&args.workload)
 }
 
 fn engine_template(args: &SimArgs) -> anyhow::Result<EngineConfig> {
