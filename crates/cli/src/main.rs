@@ -4,6 +4,7 @@ mod bench_cmd;
 mod demo_cmd;
 mod engine_cmd;
 mod epp_cmd;
+mod fleet_args;
 mod route_cmd;
 mod serve_cmd;
 mod sim_cmd;

@@ -126,7 +126,7 @@ pub fn run(args: RouteArgs) -> anyhow::Result<()> {
         bail!("the fleet file lists no instances");
     }
     let mut names = Vec::new();
-    let flag_aliases = crate::serve_cmd::parse_model_aliases(&args.model_aliases)?;
+    let flag_aliases = crate::fleet_args::parse_model_aliases(&args.model_aliases)?;
     let aliases: HashMap<String, String> =
         switchyard_core::models::merge_aliases(&flag_aliases, &fleet.model_aliases)
             .map_err(|e| anyhow::anyhow!("{}: {e}", args.fleet.display()))?;

@@ -1,29 +1,18 @@
 //! `switchyard serve`: the gateway, an OpenAI-compatible router in front of a fleet of engines.
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
-use switchyard_core::models::{merge_aliases, parse_alias};
 use switchyard_core::RouterConfig;
-use switchyard_gateway::config::{load_router_config, parse_api_keys};
+use switchyard_gateway::config::parse_api_keys;
 use switchyard_gateway::pd::PdStyle;
-use switchyard_gateway::{BackendSpec, Settings};
+use switchyard_gateway::Settings;
 
-/// Parses seconds (fractions allowed) into a duration.
-pub fn parse_secs(s: &str) -> Result<Duration, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
-    if !(v.is_finite() && v >= 0.0) {
-        return Err(format!("`{s}` must be >= 0"));
-    }
-    Ok(Duration::from_secs_f64(v))
-}
+use crate::fleet_args::{parse_secs, FleetArgs};
 
 /// Flags of `switchyard serve`.
 #[derive(Debug, Clone, Args)]
@@ -37,42 +26,11 @@ on stdout once ready. SIGINT/SIGTERM stop accepting and let in-flight responses 
 to --drain-timeout; SIGHUP reloads the fleet file. See docs/gateway.md."
 )]
 pub struct ServeArgs {
+    #[command(flatten)]
+    pub fleet: FleetArgs,
     /// Address to listen on (port 0: ephemeral).
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
-    /// A backend: URL[,role=prefill|decode|both][,models=a+b][,adapters=x+y]
-    /// [,kind=vllm|sglang|llamacpp|trtllm|auto][,name=N][,weight=W] (repeatable). Without
-    /// models=, the models and adapters are discovered from the backend's /v1/models.
-    #[arg(long = "backend", value_name = "URL[,key=value...]")]
-    pub backends: Vec<String>,
-    /// Fleet file (YAML, or TOML/JSON by extension) with `backends: [...]`; watched and
-    /// reloaded on change (or SIGHUP) without dropping traffic.
-    #[arg(long, value_name = "FILE")]
-    pub fleet_file: Option<PathBuf>,
-    /// Router settings file (any subset of the keys in docs/core.md; TOML, JSON or YAML).
-    #[arg(long, value_name = "FILE")]
-    pub router_config: Option<PathBuf>,
-    /// Routing policy (overrides the router settings): cost, round-robin, random, least-load,
-    /// power-of-two, sglang-cache-aware, dynamo-kv, gie, gie-lora, kubeai-chwbl.
-    #[arg(long)]
-    pub policy: Option<String>,
-    /// Router-side requests in flight at which a backend counts as saturated
-    /// (router setting cost.max_in_flight).
-    #[arg(long, value_name = "N")]
-    pub max_in_flight: Option<u32>,
-    /// Engine-reported waiting requests at which a backend counts as saturated
-    /// (router setting cost.max_waiting).
-    #[arg(long, value_name = "N")]
-    pub max_waiting: Option<u32>,
-    /// Requests that may wait for capacity when every backend is saturated (0: 429 at once).
-    #[arg(long, default_value_t = 256)]
-    pub queue_size: usize,
-    /// Seconds a request may wait for capacity before 429 with Retry-After.
-    #[arg(long, default_value = "10", value_parser = parse_secs)]
-    pub queue_timeout: Duration,
-    /// Largest accepted request body in bytes (413 above).
-    #[arg(long, default_value_t = 16 * 1024 * 1024)]
-    pub max_body_bytes: usize,
     /// Largest request headers (all lines, bytes) forwarded to an engine; larger get 431.
     /// The default is what uvicorn (vLLM's and SGLang's server) accepts; 0: no limit.
     #[arg(long, default_value_t = 16 * 1024)]
@@ -101,15 +59,6 @@ pub struct ServeArgs {
     /// after the headers) before the gateway ends the stream with an error event (0: never).
     #[arg(long, default_value = "120", value_parser = parse_secs)]
     pub stream_idle_timeout: Duration,
-    /// Seconds between engine metrics scrapes.
-    #[arg(long, default_value = "0.5", value_parser = parse_secs)]
-    pub scrape_interval: Duration,
-    /// Seconds between active health checks (GET /health).
-    #[arg(long, default_value = "2", value_parser = parse_secs)]
-    pub health_interval: Duration,
-    /// Seconds allowed for one health check, scrape or discovery call.
-    #[arg(long, default_value = "2", value_parser = parse_secs)]
-    pub probe_timeout: Duration,
     /// Consecutive failures (checks or 5xx answers) that eject a backend; a refused
     /// connection ejects at once.
     #[arg(long, default_value_t = 3)]
@@ -117,63 +66,22 @@ pub struct ServeArgs {
     /// Consecutive passed health checks that readmit an ejected backend.
     #[arg(long, default_value_t = 2)]
     pub readmit_after: u32,
-    /// Seconds in-flight responses may take to finish after SIGINT/SIGTERM, or a removed
-    /// backend to drain.
-    #[arg(long, default_value = "30", value_parser = parse_secs)]
-    pub drain_timeout: Duration,
     /// File of client API keys (one per line, `#` comments); clients must send
     /// `Authorization: Bearer KEY`. Adds to SWITCHYARD_API_KEYS (comma-separated).
     #[arg(long, value_name = "FILE")]
     pub api_keys_file: Option<PathBuf>,
-    /// Token for /admin/* (sent as `Authorization: Bearer TOKEN`); without it the admin API
-    /// is disabled.
-    #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN", hide_env_values = true)]
-    pub admin_token: Option<String>,
     /// Add `x-switchyard-decision` (the decision explained) and `x-switchyard-backend`
     /// response headers.
     #[arg(long)]
     pub debug_header: bool,
-    /// Do not add `stream_options.include_usage` to streamed requests that lack it (the
-    /// gateway otherwise adds it to learn from the engine's usage and strips that chunk).
-    #[arg(long)]
-    pub no_usage_injection: bool,
     /// How disaggregated requests hand the KV cache from prefill to decode: nixl (vLLM
     /// NixlConnector: prefill first, its kv_transfer_params to decode) or sglang (both at once
     /// with bootstrap_host/port/room). A prefill backend with bootstrap_port= is SGLang-style
     /// whatever this says.
     #[arg(long, default_value = "nixl", value_name = "nixl|sglang")]
     pub pd_style: PdStyle,
-    /// Threads serving requests (default: one per CPU, or TOKIO_WORKER_THREADS). One thread
-    /// spends the least CPU per request when the gateway shares a small machine.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
-    pub worker_threads: Option<u16>,
-    /// A model alias NAME=MODEL (repeatable): a request for NAME is routed as MODEL (a base
-    /// model or an adapter) and sent to the engine with `model` set to MODEL. Merged with the
-    /// fleet file's `model_aliases`.
-    #[arg(long = "model-alias", value_name = "NAME=MODEL")]
-    pub model_aliases: Vec<String>,
-    /// Answer 404 model_not_found for a model name no backend serves even when the fleet serves
-    /// a single base model (by default such a request goes to that model).
-    #[arg(long)]
-    pub strict_models: bool,
     #[command(flatten)]
     pub placement: PlacementArgs,
-}
-
-/// Parses `--model-alias` values: each NAME=MODEL, a NAME given once (or twice alike), no alias
-/// of an alias.
-pub fn parse_model_aliases(entries: &[String]) -> Result<BTreeMap<String, String>> {
-    let mut aliases = BTreeMap::new();
-    for entry in entries {
-        let (name, target) = parse_alias(entry).map_err(|e| anyhow!("--model-alias {e}"))?;
-        if let Some(before) = aliases.insert(name.clone(), target.clone()) {
-            if before != target {
-                bail!("--model-alias: `{name}` is given as `{before}` and as `{target}`");
-            }
-        }
-    }
-    merge_aliases(&aliases, &BTreeMap::new()).map_err(|e| anyhow!("--model-alias: {e}"))?;
-    Ok(aliases)
 }
 
 /// Dynamic LoRA adapter placement flags of `switchyard serve` (router settings `placement.*`).
@@ -260,29 +168,9 @@ impl PlacementArgs {
 
 /// Builds the gateway settings from the flags (and the environment for API keys).
 pub fn settings(args: &ServeArgs) -> Result<Settings> {
-    let mut router = match &args.router_config {
-        Some(path) => load_router_config(path)?,
-        None => RouterConfig::default(),
-    };
-    if let Some(p) = &args.policy {
-        router.policy = p.clone();
-    }
-    if args.max_in_flight.is_some() {
-        router.cost.max_in_flight = args.max_in_flight;
-    }
-    if args.max_waiting.is_some() {
-        router.cost.max_waiting = args.max_waiting;
-    }
+    let mut router = args.fleet.router()?;
     let lora_paths = args.placement.apply(&mut router)?;
-    router.validate()?;
-    let backends = args
-        .backends
-        .iter()
-        .map(|b| BackendSpec::parse_flag(b))
-        .collect::<Result<Vec<_>, _>>()?;
-    if backends.is_empty() && args.fleet_file.is_none() {
-        bail!("no backends: give --backend URL (repeatable) or --fleet-file FILE");
-    }
+    let common = args.fleet.settings(router)?;
     let mut api_keys = match std::env::var("SWITCHYARD_API_KEYS") {
         Ok(v) => parse_api_keys(&v),
         Err(_) => Default::default(),
@@ -296,19 +184,8 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
         }
         api_keys.extend(keys);
     }
-    if args.admin_token.as_deref().is_some_and(str::is_empty) {
-        bail!("--admin-token must not be empty");
-    }
-    if args.scrape_interval.is_zero() || args.health_interval.is_zero() {
-        bail!("--scrape-interval and --health-interval must be > 0");
-    }
-    let model_aliases = parse_model_aliases(&args.model_aliases)?;
     Ok(Settings {
         listen: args.listen,
-        router,
-        backends,
-        fleet_file: args.fleet_file.clone(),
-        max_body_bytes: args.max_body_bytes,
         max_header_bytes: args.max_header_bytes,
         header_read_timeout: args.header_read_timeout,
         body_read_timeout: args.body_read_timeout,
@@ -317,22 +194,13 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
         connect_timeout: args.connect_timeout,
         upstream_timeout: args.upstream_timeout,
         stream_idle_timeout: args.stream_idle_timeout,
-        scrape_interval: args.scrape_interval,
-        health_interval: args.health_interval,
-        probe_timeout: args.probe_timeout,
         eject_after: args.eject_after.max(1),
         readmit_after: args.readmit_after.max(1),
-        queue_size: args.queue_size,
-        queue_timeout: args.queue_timeout,
-        drain_timeout: args.drain_timeout,
         api_keys,
-        admin_token: args.admin_token.clone(),
         debug_header: args.debug_header,
-        inject_usage: !args.no_usage_injection,
         pd_style: args.pd_style,
         lora_paths,
-        model_aliases,
-        strict_models: args.strict_models,
+        ..common
     })
 }
 
@@ -340,7 +208,7 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
 pub fn run(args: ServeArgs) -> Result<()> {
     let settings = settings(&args)?;
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = args.worker_threads {
+    if let Some(n) = args.fleet.worker_threads {
         builder.worker_threads(usize::from(n));
     }
     let runtime = builder.enable_all().build()?;
@@ -487,9 +355,9 @@ mod tests {
     #[test]
     fn worker_threads_flag() {
         let cli = Cli::try_parse_from(["x", "--worker-threads", "1"]).unwrap();
-        assert_eq!(cli.args.worker_threads, Some(1));
+        assert_eq!(cli.args.fleet.worker_threads, Some(1));
         let cli = Cli::try_parse_from(["x"]).unwrap();
-        assert_eq!(cli.args.worker_threads, None);
+        assert_eq!(cli.args.fleet.worker_threads, None);
         assert!(Cli::try_parse_from(["x", "--worker-threads", "0"]).is_err());
         assert!(Cli::try_parse_from(["x", "--worker-threads", "many"]).is_err());
     }

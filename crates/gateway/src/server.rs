@@ -36,20 +36,15 @@ pub fn app(gw: Arc<Gateway>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .route("/admin/fleet", get(admin::fleet))
-        .route("/admin/drain/{name}", post(admin::drain))
-        .route("/admin/undrain/{name}", post(admin::undrain))
-        .route("/admin/policy", post(admin::policy))
+        .merge(ops_routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(gw)
 }
 
-/// The operations routes alone (health, metrics, admin), for a driver whose requests arrive
-/// another way (the Envoy endpoint picker's metrics port).
-pub fn ops_app(gw: Arc<Gateway>) -> Router {
+/// Health, metrics and admin: part of [`app`], and all a driver whose requests arrive another
+/// way serves (the Envoy endpoint picker's metrics port, [`ops_app`]).
+fn ops_routes() -> Router<Arc<Gateway>> {
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -57,6 +52,12 @@ pub fn ops_app(gw: Arc<Gateway>) -> Router {
         .route("/admin/drain/{name}", post(admin::drain))
         .route("/admin/undrain/{name}", post(admin::undrain))
         .route("/admin/policy", post(admin::policy))
+}
+
+/// The operations routes alone (health, metrics, admin), for a driver whose requests arrive
+/// another way (the Envoy endpoint picker's metrics port).
+pub fn ops_app(gw: Arc<Gateway>) -> Router {
+    ops_routes()
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(gw)

@@ -1,0 +1,169 @@
+//! The flags `switchyard serve` and `switchyard epp` share: the fleet, the router, admission,
+//! probes, model names, shutdown.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Result};
+use clap::Args;
+use switchyard_core::models::{merge_aliases, parse_alias};
+use switchyard_core::RouterConfig;
+use switchyard_gateway::config::load_router_config;
+use switchyard_gateway::{BackendSpec, Settings};
+
+/// Parses seconds (fractions allowed) into a duration.
+pub fn parse_secs(s: &str) -> Result<Duration, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !(v.is_finite() && v >= 0.0) {
+        return Err(format!("`{s}` must be >= 0"));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+/// Parses `--model-alias` values: each NAME=MODEL, a NAME given once (or twice alike), no alias
+/// of an alias.
+pub fn parse_model_aliases(entries: &[String]) -> Result<BTreeMap<String, String>> {
+    let mut aliases = BTreeMap::new();
+    for entry in entries {
+        let (name, target) = parse_alias(entry).map_err(|e| anyhow!("--model-alias {e}"))?;
+        if let Some(before) = aliases.insert(name.clone(), target.clone()) {
+            if before != target {
+                bail!("--model-alias: `{name}` is given as `{before}` and as `{target}`");
+            }
+        }
+    }
+    merge_aliases(&aliases, &BTreeMap::new()).map_err(|e| anyhow!("--model-alias: {e}"))?;
+    Ok(aliases)
+}
+
+/// Fleet, router and admission flags of `serve` and `epp`.
+#[derive(Debug, Clone, Args)]
+pub struct FleetArgs {
+    /// A backend: URL[,role=prefill|decode|both][,models=a+b][,adapters=x+y]
+    /// [,kind=vllm|sglang|llamacpp|trtllm|auto][,name=N][,weight=W] (repeatable). Without
+    /// models=, the models and adapters are discovered from the backend's /v1/models.
+    #[arg(long = "backend", value_name = "URL[,key=value...]")]
+    pub backends: Vec<String>,
+    /// Fleet file (YAML, or TOML/JSON by extension) with `backends: [...]`; watched and
+    /// reloaded on change (or SIGHUP) without dropping traffic.
+    #[arg(long, value_name = "FILE")]
+    pub fleet_file: Option<PathBuf>,
+    /// Router settings file (any subset of the keys in docs/core.md; TOML, JSON or YAML).
+    #[arg(long, value_name = "FILE")]
+    pub router_config: Option<PathBuf>,
+    /// Routing policy (overrides the router settings): cost, round-robin, random, least-load,
+    /// power-of-two, sglang-cache-aware, dynamo-kv, gie, gie-lora, kubeai-chwbl.
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// Router-side requests in flight at which a backend counts as saturated
+    /// (router setting cost.max_in_flight).
+    #[arg(long, value_name = "N")]
+    pub max_in_flight: Option<u32>,
+    /// Engine-reported waiting requests at which a backend counts as saturated
+    /// (router setting cost.max_waiting).
+    #[arg(long, value_name = "N")]
+    pub max_waiting: Option<u32>,
+    /// Requests that may wait for capacity when every backend is saturated (0: 429 at once).
+    #[arg(long, default_value_t = 256)]
+    pub queue_size: usize,
+    /// Seconds a request may wait for capacity before 429 with Retry-After.
+    #[arg(long, default_value = "10", value_parser = parse_secs)]
+    pub queue_timeout: Duration,
+    /// Largest accepted request body in bytes (413 above).
+    #[arg(long, default_value_t = 16 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Seconds between engine metrics scrapes.
+    #[arg(long, default_value = "0.5", value_parser = parse_secs)]
+    pub scrape_interval: Duration,
+    /// Seconds between active health checks (GET /health).
+    #[arg(long, default_value = "2", value_parser = parse_secs)]
+    pub health_interval: Duration,
+    /// Seconds allowed for one health check, scrape or discovery call.
+    #[arg(long, default_value = "2", value_parser = parse_secs)]
+    pub probe_timeout: Duration,
+    /// Seconds in-flight responses may take to finish after SIGINT/SIGTERM, or a removed
+    /// backend to drain.
+    #[arg(long, default_value = "30", value_parser = parse_secs)]
+    pub drain_timeout: Duration,
+    /// Token for /admin/* (sent as `Authorization: Bearer TOKEN`); without it the admin API
+    /// is disabled.
+    #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// A model alias NAME=MODEL (repeatable): a request for NAME is routed as MODEL (a base
+    /// model or an adapter) and sent to the engine with `model` set to MODEL. Merged with the
+    /// fleet file's `model_aliases`.
+    #[arg(long = "model-alias", value_name = "NAME=MODEL")]
+    pub model_aliases: Vec<String>,
+    /// Answer 404 model_not_found for a model name no backend serves even when the fleet serves
+    /// a single base model (by default such a request goes to that model).
+    #[arg(long)]
+    pub strict_models: bool,
+    /// Do not add `stream_options.include_usage` to streamed requests that lack it (the
+    /// gateway otherwise adds it to learn from the engine's usage and strips that chunk).
+    #[arg(long)]
+    pub no_usage_injection: bool,
+    /// Threads serving requests (default: one per CPU, or TOKIO_WORKER_THREADS). One thread
+    /// spends the least CPU per request when the gateway shares a small machine.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: Option<u16>,
+}
+
+impl FleetArgs {
+    /// The router settings: the file's (or the defaults), with the policy and saturation
+    /// flags over them; not yet validated (callers may change more).
+    pub fn router(&self) -> Result<RouterConfig> {
+        let mut router = match &self.router_config {
+            Some(path) => load_router_config(path)?,
+            None => RouterConfig::default(),
+        };
+        if let Some(p) = &self.policy {
+            router.policy = p.clone();
+        }
+        if self.max_in_flight.is_some() {
+            router.cost.max_in_flight = self.max_in_flight;
+        }
+        if self.max_waiting.is_some() {
+            router.cost.max_waiting = self.max_waiting;
+        }
+        Ok(router)
+    }
+
+    /// The settings these flags give (`router` validated here), the rest at their defaults.
+    pub fn settings(&self, router: RouterConfig) -> Result<Settings> {
+        router.validate()?;
+        let backends = self
+            .backends
+            .iter()
+            .map(|b| BackendSpec::parse_flag(b))
+            .collect::<Result<Vec<_>, _>>()?;
+        if backends.is_empty() && self.fleet_file.is_none() {
+            bail!("no backends: give --backend URL (repeatable) or --fleet-file FILE");
+        }
+        if self.admin_token.as_deref().is_some_and(str::is_empty) {
+            bail!("--admin-token must not be empty");
+        }
+        if self.scrape_interval.is_zero() || self.health_interval.is_zero() {
+            bail!("--scrape-interval and --health-interval must be > 0");
+        }
+        Ok(Settings {
+            router,
+            backends,
+            fleet_file: self.fleet_file.clone(),
+            max_body_bytes: self.max_body_bytes,
+            scrape_interval: self.scrape_interval,
+            health_interval: self.health_interval,
+            probe_timeout: self.probe_timeout,
+            queue_size: self.queue_size,
+            queue_timeout: self.queue_timeout,
+            drain_timeout: self.drain_timeout,
+            admin_token: self.admin_token.clone(),
+            inject_usage: !self.no_usage_injection,
+            model_aliases: parse_model_aliases(&self.model_aliases)?,
+            strict_models: self.strict_models,
+            ..Settings::default()
+        })
+    }
+}
