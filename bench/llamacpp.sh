@@ -15,7 +15,8 @@
 # them (fresh too), the same requests at the same offsets, the engines' request counts (from
 # their logs) and /metrics before and after, the router's CPU time before it is stopped:
 #
-#   sy-POLICY  `switchyard serve --policy POLICY` (POLICIES: cost and baselines)
+#   sy-POLICY  `switchyard serve --policy POLICY` (POLICIES: cost and baselines);
+#              sy-POLICY@TAG adds `--router-config $SY_CONFIG_DIR/TAG.json`
 #   smg        SMG 1.13.0 (PyPI `smg`), `smg launch --policy cache_aware`
 #   sglang     sglang-router 0.3.2, --policy cache_aware
 #   vllm       vllm-router 0.1.17, --policy cache_aware
@@ -42,7 +43,8 @@
 #   /tmp/switchyard-llamacpp-DATE); CACHE (~/.cache/switchyard-bench: the peers' venvs);
 #   SY (a switchyard binary to use instead of building this repository's release build);
 #   SY_ROUTER_CONFIG (a router settings file for every switchyard run, `--router-config`;
-#   a policy that is not `cost` still comes from the router name).
+#   a policy that is not `cost` still comes from the router name); SY_CONFIG_DIR (.) where
+#   sy-POLICY@TAG finds TAG.json.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -215,9 +217,15 @@ start_router() { # NAME
         local backends=()
         for e in "${ENGINES[@]}"; do backends+=(--backend "$e,kind=llamacpp,models=$MODEL"); done
         ROUTER_LOG=switchyard
-        local config=()
+        local config=() policy=${name#sy-}
         [[ -n ${SY_ROUTER_CONFIG:-} ]] && config=(--router-config "$SY_ROUTER_CONFIG")
-        start switchyard "$SY" serve --listen 127.0.0.1:0 --policy "${name#sy-}" \
+        # sy-POLICY@TAG: the same policy with the settings in $SY_CONFIG_DIR/TAG.json, so two
+        # settings of one policy are compared side by side in one run.
+        if [[ $policy == *@* ]]; then
+            config=(--router-config "${SY_CONFIG_DIR:-.}/${policy#*@}.json")
+            policy=${policy%@*}
+        fi
+        start switchyard "$SY" serve --listen 127.0.0.1:0 --policy "$policy" \
             --admin-token "$ADMIN_TOKEN" "${config[@]}" "${backends[@]}"
         ROUTER_PIDS+=("$LAST_PID")
         ROUTER_URL=$(address switchyard "$LAST_PID")

@@ -148,6 +148,9 @@ pub struct Learned {
     pub survival: CacheSurvival,
     /// Share of prompt tokens the engine reported served from its cache (moving average).
     pub hit_share: f64,
+    /// Sequences the engine runs at once, learned: the largest batch it reported while requests
+    /// waited beside it for no other reason (llama.cpp's slots, vLLM's `max_num_seqs`).
+    pub max_running: Option<u32>,
 }
 
 /// Adapters believed resident on the accelerator, most recently used first.
@@ -269,6 +272,11 @@ impl Instance {
             .as_ref()
             .and_then(|(m, _)| m.kv_capacity_tokens)
             .or(self.spec.kv_capacity_tokens)
+    }
+
+    /// Sequences the instance runs at once: configured, else learned from its reports.
+    pub fn max_running(&self) -> Option<u32> {
+        self.spec.max_running.or(self.learned.max_running)
     }
 
     /// Adapter slots: the engine's report wins over configuration.
@@ -483,6 +491,7 @@ mod tests {
             mean_uncached_tokens: 100.0,
             survival: Default::default(),
             hit_share: 0.0,
+            max_running: None,
         }
     }
 

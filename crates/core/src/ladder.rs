@@ -97,6 +97,7 @@ mod tests {
             mean_uncached_tokens: 1000.0,
             survival: Default::default(),
             hit_share: 0.0,
+            max_running: None,
         }
     }
 

@@ -11,7 +11,9 @@ use thiserror::Error;
 use crate::config::{ConfigError, RouterConfig};
 use crate::decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan};
 use crate::exact::ExactIndex;
-use crate::fleet::{Fleet, Health, Instance, InstanceId, InstanceSpec, Learned, Role};
+use crate::fleet::{
+    EngineMetrics, Fleet, Health, Instance, InstanceId, InstanceSpec, Learned, Role,
+};
 use crate::ladder::LoadLadder;
 use crate::observe::{Observation, ObserveError, Prediction, Usage};
 use crate::policy::{self, Policy, ScoringContext, Stage, TieBreak};
@@ -142,6 +144,19 @@ pub const MAX_PREDICTIONS: usize = 4096;
 const POOL_SAMPLE: usize = 64;
 
 /// Moves `current` towards `sample` by `rate`.
+/// Requests waiting while the batch has room for them wait for a sequence slot, unless they
+/// wait for an adapter slot or for KV space: then the batch they wait beside is the engine's
+/// limit. The largest such batch is kept (a lower one is a moment the limit was not reached).
+fn learn_max_running(learned: &mut Learned, metrics: &EngineMetrics, kv_high_watermark: f64) {
+    let waits_for_slot = metrics.waiting > 0
+        && metrics.running > 0
+        && metrics.waiting_adapters.is_empty()
+        && metrics.kv_usage.is_none_or(|u| u < kv_high_watermark);
+    if waits_for_slot {
+        learned.max_running = Some(learned.max_running.unwrap_or(0).max(metrics.running));
+    }
+}
+
 fn ewma(current: f64, sample: f64, rate: f64) -> f64 {
     current + rate * (sample - current)
 }
@@ -241,6 +256,7 @@ impl Router {
             mean_uncached_tokens: 1000.0,
             survival: Default::default(),
             hit_share: 0.0,
+            max_running: None,
         }
     }
 
@@ -674,6 +690,11 @@ impl Router {
                     .fleet
                     .get_mut(id)
                     .ok_or(ObserveError::UnknownInstance(id))?;
+                learn_max_running(
+                    &mut instance.learned,
+                    &metrics,
+                    self.config.cost.kv_high_watermark,
+                );
                 let slots = metrics.max_adapters.unwrap_or(instance.spec.adapter_slots);
                 for adapter in &metrics.running_adapters {
                     if !instance.adapters.is_resident(adapter) {

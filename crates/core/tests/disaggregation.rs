@@ -194,3 +194,39 @@ fn a_fast_prefill_instance_does_not_attract_short_prompts() {
         assert!(d.contains(&short.best().unwrap()));
     }
 }
+
+#[test]
+fn a_decode_instance_running_a_prompt_whole_pays_for_stalling_its_batch() {
+    let (mut router, _, d) = pd_router(8192);
+    // Thirty sequences decode on each decode instance.
+    for id in 0..60u64 {
+        let to = d[(id % 2) as usize];
+        let request = RouteRequest::text("m", "a short question");
+        let plan = router.route(&request, 0.0).unwrap().plan_for(to);
+        let request = RequestId(1000 + id);
+        router
+            .observe(
+                Observation::Routed {
+                    request,
+                    instance: to,
+                    plan,
+                },
+                0.0,
+            )
+            .unwrap();
+        router
+            .observe(Observation::FirstToken(request), 0.0)
+            .unwrap();
+    }
+    let decision = router
+        .route(&RouteRequest::text("m", &text(4000, 4)), 0.1)
+        .unwrap();
+    // Every decode candidate needs the same prefill, yet each is charged the stall of its batch:
+    // the hand-off alternative stalls none.
+    let local = decision.candidate(d[0]).unwrap();
+    assert!(
+        local.terms.decode_penalty_s > 0.0,
+        "{}",
+        decision.explain(5)
+    );
+}

@@ -1094,3 +1094,102 @@ fn baselines_honour_weights() {
         .add_instance(bad)
         .is_err());
 }
+
+/// Routes `request` to `instance` (whatever the decision preferred) and records it.
+fn send_to(router: &mut Router, id: u64, request: &RouteRequest<'_>, to: InstanceId, now: f64) {
+    let plan = router.route(request, now).unwrap().plan_for(to);
+    router
+        .observe(
+            Observation::Routed {
+                request: RequestId(id),
+                instance: to,
+                plan,
+            },
+            now,
+        )
+        .unwrap();
+}
+
+#[test]
+fn cost_sends_a_long_prompt_to_the_shorter_queue_even_where_more_sequences_decode() {
+    let (mut router, ids) = router("cost", 2);
+    // Instance 0: forty sequences decoding, nothing queued. Instance 1: one long prompt queued.
+    for id in 0..40 {
+        let text = prompt("decoding ", 200, id);
+        send_to(
+            &mut router,
+            id,
+            &RouteRequest::text("m", &text),
+            ids[0],
+            0.0,
+        );
+        router
+            .observe(Observation::FirstToken(RequestId(id)), 0.0)
+            .unwrap();
+    }
+    let queued = prompt("queued ", 8000, 100);
+    send_to(
+        &mut router,
+        100,
+        &RouteRequest::text("m", &queued),
+        ids[1],
+        0.0,
+    );
+    // A prompt no instance holds: its prefill stalls whichever batch it joins, so only the
+    // queue ahead of it tells the instances apart.
+    let long = prompt("a long document ", 30_000, 200);
+    let decision = router.route(&RouteRequest::text("m", &long), 0.0).unwrap();
+    let (busy, queued) = (
+        decision.candidate(ids[0]).unwrap(),
+        decision.candidate(ids[1]).unwrap(),
+    );
+    assert!(queued.terms.wait_s > busy.terms.wait_s);
+    assert_eq!(busy.terms.decode_penalty_s, 0.0, "{}", decision.explain(2));
+    assert_eq!(decision.best(), Some(ids[0]), "{}", decision.explain(2));
+}
+
+#[test]
+fn cost_learns_an_engines_sequence_limit_from_requests_waiting_beside_a_full_batch() {
+    let (mut router, ids) = router("cost", 3);
+    let scrape = |router: &mut Router, id, running, waiting, kv: Option<f64>| {
+        let m = EngineMetrics {
+            running,
+            waiting,
+            kv_usage: kv,
+            ..Default::default()
+        };
+        router
+            .observe(Observation::MetricsScraped(id, m), 0.0)
+            .unwrap();
+    };
+    // Two slots, both busy, one request waiting (llama.cpp's `requests_deferred`).
+    scrape(&mut router, ids[0], 2, 1, None);
+    // A full KV cache makes requests wait too: that is no sequence limit.
+    scrape(&mut router, ids[1], 2, 1, Some(0.99));
+    // Two running, none waiting: no limit seen.
+    scrape(&mut router, ids[2], 2, 0, None);
+    let decision = router
+        .route(&RouteRequest::text("m", "hello"), 0.1)
+        .unwrap();
+    let wait = |i: usize| decision.candidate(ids[i]).unwrap().terms.wait_s;
+    let no_slot_wait = wait(2);
+    assert!(
+        wait(0) > no_slot_wait + 0.1,
+        "a request waits for one of two slots: {}",
+        decision.explain(3)
+    );
+    assert!(wait(1) < wait(0), "{}", decision.explain(3));
+    // A smaller batch seen later with requests waiting does not lower the limit.
+    scrape(&mut router, ids[0], 1, 3, None);
+    // One running: under a limit of two there is a free slot (under one there would not be).
+    scrape(&mut router, ids[0], 1, 0, None);
+    let decision = router
+        .route(&RouteRequest::text("m", "hello"), 0.2)
+        .unwrap();
+    let c0 = decision.candidate(ids[0]).unwrap();
+    assert!(
+        c0.terms.wait_s < no_slot_wait + 1e-9,
+        "{}",
+        decision.explain(3)
+    );
+}
