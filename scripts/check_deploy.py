@@ -243,8 +243,10 @@ def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
 
 
 def is_switchyard(container: dict) -> bool:
+    """By its image's name, or by its command (an image renamed in an overlay)."""
     image = str(container.get("image", "")).split("@")[0].rsplit(":", 1)[0]
-    return image.rsplit("/", 1)[-1] == "switchyard"
+    command = container.get("command") or [""]
+    return image.rsplit("/", 1)[-1] == "switchyard" or str(command[0]).rsplit("/", 1)[-1] == "switchyard"
 
 
 def parse_args(args: list[str]) -> tuple[str | None, dict[str, str | None]]:
@@ -459,9 +461,17 @@ def check_references(target: str, docs: list[dict], root: Path, f: Findings) -> 
         ref = rb.get("roleRef") or {}
         if ref.get("kind") == "Role" and ref.get("name") not in roles:
             f.bad(f"{target} RoleBinding/{name}", f"binds Role {ref.get('name')}, which is not here")
+        rb_ns = (rb.get("metadata") or {}).get("namespace")
         for s in rb.get("subjects") or []:
-            if s.get("kind") == "ServiceAccount" and s.get("name") not in sas:
+            if s.get("kind") != "ServiceAccount":
+                continue
+            if s.get("name") not in sas:
                 f.bad(f"{target} RoleBinding/{name}", f"subject ServiceAccount {s.get('name')} is not here")
+                continue
+            sa_ns = (sas[s["name"]].get("metadata") or {}).get("namespace")
+            if rb_ns and s.get("namespace", rb_ns) != sa_ns:
+                f.bad(f"{target} RoleBinding/{name}",
+                      f"binds ServiceAccount {s['name']} in namespace {s.get('namespace')}, but it is in {sa_ns}")
     # Workloads run as ServiceAccounts that exist.
     for w, t in templates:
         sa = (t.get("spec") or {}).get("serviceAccountName")
@@ -630,6 +640,9 @@ MUTATIONS = [
     ("RBAC without list/watch on inferencepools",
      "kubernetes/base/epp/rbac.yaml", '  resources: ["inferencepools"]\n  verbs: ["get", "list", "watch"]',
      '  resources: ["inferencepools"]\n  verbs: ["get"]', "may not get/list/watch inferencepools"),
+    ("RoleBinding naming the ServiceAccount in another namespace",
+     "kubernetes/base/epp/rbac.yaml", "  namespace: default", "  namespace: kube-system",
+     "binds ServiceAccount switchyard-epp in namespace kube-system"),
     ("picker told another pool",
      "kubernetes/base/epp/deployment.yaml", "--pool-name=vllm-pool", "--pool-name=other-pool",
      "--pool-name=other-pool names no InferencePool"),
