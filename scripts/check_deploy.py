@@ -16,7 +16,8 @@ kustomization.yaml), `kubectl kustomize` renders it and each object is checked:
    targetPorts; each Service selects pods and its targetPorts exist in them; the picker's
    ServiceAccount is bound to a Role that can get/list/watch pods and inferencepools; the
    HTTPRoute's backendRef is the pool; the gRPC health probes point at the health port; the
-   gateway's fleet file is mounted from a ConfigMap and names pods that exist.
+   gateway's fleet file is mounted from a ConfigMap, has only fields the gateway reads and names
+   pods that exist.
 4. Every `--flag` given to `switchyard epp` / `switchyard serve` is in that command's flags table
    (docs/epp.md, docs/gateway.md; crates/cli/tests/docs_sync.rs holds those tables to --help),
    except PENDING_FLAGS, which only warn.
@@ -364,6 +365,34 @@ def check_epp(where, workload, template, c, flags, docs, f: Findings) -> None:
         f.bad(where, f"no Service carries the ext_proc port {grpc_port} to the picker's pods")
 
 
+# The fleet file's fields, as the gateway reads them: both structs refuse unknown fields
+# (serde deny_unknown_fields: FleetFile in crates/gateway/src/config.rs, BackendSpec in
+# crates/gateway/src/backends.rs), so a typo stops the gateway at start.
+FLEET_KEYS = {"backends", "model_aliases"}
+BACKEND_KEYS = {
+    "name", "address", "role", "models", "adapters", "weight", "labels", "kind",
+    "adapter_slots", "kv_capacity_tokens", "bootstrap_port",
+}
+ROLES = {"prefill", "decode", "both"}
+ENGINE_KINDS = {"auto", "vllm", "sglang", "llamacpp", "trtllm"}
+
+
+def fleet_shape(doc: dict) -> list[str]:
+    out = [f"unknown field `{k}`" for k in sorted(set(doc) - FLEET_KEYS)]
+    for i, b in enumerate(doc.get("backends") or []):
+        if not isinstance(b, dict):
+            out.append(f"backends[{i}] is not a mapping")
+            continue
+        out += [f"backends[{i}]: unknown field `{k}`" for k in sorted(set(b) - BACKEND_KEYS)]
+        if not b.get("address"):
+            out.append(f"backends[{i}]: no address")
+        if "role" in b and b["role"] not in ROLES:
+            out.append(f"backends[{i}]: role {b['role']!r} is not one of {sorted(ROLES)}")
+        if "kind" in b and b["kind"] not in ENGINE_KINDS:
+            out.append(f"backends[{i}]: kind {b['kind']!r} is not one of {sorted(ENGINE_KINDS)}")
+    return out
+
+
 def check_serve(where, template, c, flags, docs, f: Findings) -> None:
     listen = flags.get("--listen")
     if not listen:
@@ -407,6 +436,8 @@ def check_serve(where, template, c, flags, docs, f: Findings) -> None:
     if not isinstance(backends, list):
         f.bad(where, f"fleet file in ConfigMap {cm_name} has no `backends` list")
         return
+    for msg in fleet_shape(fleet_doc):
+        f.bad(where, f"fleet file in ConfigMap {cm_name}: {msg}")
     services = by_kind(docs, "Service")
     sets = {(s.get("spec") or {}).get("serviceName"): s for s in by_kind(docs, "StatefulSet").values()}
     for b in backends:
@@ -667,6 +698,9 @@ MUTATIONS = [
     ("fleet naming a pod the StatefulSet does not have",
      "kubernetes/base/serve/fleet.yaml", "http://vllm-1.vllm:8000", "http://vllm-2.vllm:8000",
      "has no pod vllm-2"),
+    ("fleet file with a field the gateway does not know",
+     "kubernetes/base/serve/fleet.yaml", "name: vllm-1", "nmae: vllm-1",
+     "backends[1]: unknown field `nmae`"),
     ("fleet file mounted with subPath",
      "kubernetes/base/serve/deployment.yaml", "          mountPath: /etc/switchyard/fleet\n",
      "          mountPath: /etc/switchyard/fleet\n          subPath: fleet.yaml\n", "subPath"),
