@@ -377,6 +377,26 @@ ROLES = {"prefill", "decode", "both"}
 ENGINE_KINDS = {"auto", "vllm", "sglang", "llamacpp", "trtllm"}
 
 
+def rust_struct_fields(path: Path, struct: str) -> set[str]:
+    """The field names of `pub struct NAME { ... }` in a Rust file (no serde renames there)."""
+    text = path.read_text()
+    body = text.split(f"pub struct {struct} {{", 1)[1].split("\n}", 1)[0]
+    return set(re.findall(r"^\s*pub (\w+):", body, re.M))
+
+
+def fleet_keys_in_sync(root: Path) -> list[str]:
+    """The fields above against the Rust structs, so that this check cannot drift from them."""
+    out = []
+    for path, struct, ours in (
+        ("crates/gateway/src/config.rs", "FleetFile", FLEET_KEYS),
+        ("crates/gateway/src/backends.rs", "BackendSpec", BACKEND_KEYS),
+    ):
+        theirs = rust_struct_fields(root / path, struct)
+        if theirs != ours:
+            out.append(f"{path} {struct} has fields {sorted(theirs)}, scripts/check_deploy.py knows {sorted(ours)}")
+    return out
+
+
 def fleet_shape(doc: dict) -> list[str]:
     out = [f"unknown field `{k}`" for k in sorted(set(doc) - FLEET_KEYS)]
     for i, b in enumerate(doc.get("backends") or []):
@@ -630,6 +650,9 @@ def check_tree(root: Path, kubectl: str, envoy: Path | None, verbose: bool) -> F
             print(f"  rendered {name}: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())))
     if not f.targets:
         f.bad("deploy/kubernetes", "no kustomization found")
+    if (root / "crates").exists():
+        for msg in fleet_keys_in_sync(root):
+            f.bad("fleet file fields", msg)
     n = check_envoy(root, f, envoy)
     if verbose:
         print(f"  deploy/envoy: {n} files" + (" (parsed, envoy --mode validate)" if envoy else " (parsed; no .venv/bin/envoy)"))
