@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The whole test suite, exactly as CI runs it (`.ci/run` calls this script):
-# formatting, lints, every Rust test (unit, integration, property, doc), then the
-# Python tests that drive our servers with the official `openai` client.
+# formatting, the deploy files (offline, no build: cheap checks first), lints, every Rust
+# test (unit, integration, property, doc), then the Python tests that drive our servers with the
+# official `openai` client.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
+
+echo "== Deploy files (Kubernetes manifests, Envoy configurations; no build, about 20 s)"
+bash scripts/check-deploy.sh
 
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
