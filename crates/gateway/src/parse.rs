@@ -603,6 +603,23 @@ pub fn parse<'a>(
     parse_serde(body, session_header)
 }
 
+/// Both parsing paths of [`parse`] side by side: the fast scanner's result (`None` when it
+/// hands the body on) and serde's. They must agree wherever the fast one answers; the fuzz
+/// target `request_parser` checks it.
+#[doc(hidden)]
+pub fn parse_both_paths<'a>(
+    body: &'a [u8],
+    session_header: Option<&'a str>,
+) -> (
+    Option<ParsedRequest<'a>>,
+    Result<ParsedRequest<'a>, ApiError>,
+) {
+    (
+        parse_fast(body, session_header),
+        parse_serde(body, session_header),
+    )
+}
+
 /// The general path: every body, every error.
 fn parse_serde<'a>(
     body: &'a [u8],
