@@ -75,6 +75,12 @@ impl Emulator {
         }
     }
 
+    /// Kills the process now and waits for it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// Process id of the emulator.
     pub fn pid(&self) -> u32 {
         self.child.id()
