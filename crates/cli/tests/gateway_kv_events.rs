@@ -14,21 +14,6 @@ use rmpv::Value as Mp;
 use serde_json::json;
 use zeromq::{Socket, SocketSend};
 
-/// An emulator publishing KV events on a loopback port it binds.
-fn publishing_engine() -> Emulator {
-    let emu = Emulator::start(&[
-        "--model",
-        MODEL,
-        "--speed",
-        "100",
-        "--kv-events-endpoint",
-        "tcp://127.0.0.1:0",
-        "--kv-events-bind",
-    ]);
-    assert!(emu.kv_endpoint.is_some(), "kv-events line");
-    emu
-}
-
 fn backend_flag(name: &str, emu: &Emulator, kv: &str) -> String {
     format!("{},models={MODEL},name={name},kv_events={kv}", emu.base)
 }
@@ -82,8 +67,8 @@ async fn until_exact(c: &reqwest::Client, gw: &Proc, emu: &Emulator, backend: &s
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_route_token_prompts_to_their_holder_and_a_killed_publisher_falls_back() {
-    let a = publishing_engine();
-    let mut b = publishing_engine();
+    let a = Emulator::start_publishing(MODEL);
+    let mut b = Emulator::start_publishing(MODEL);
     let gw = gateway(&[
         "--backend",
         &backend_flag("a", &a, a.kv_endpoint.as_deref().unwrap()),

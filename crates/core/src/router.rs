@@ -729,25 +729,17 @@ impl Router {
                 instance.adapters.resident.retain(|a| *a != adapter);
                 Ok(())
             }
-            Observation::KvEvents(id, events) => {
+            Observation::KvEvents(id, _)
+            | Observation::KvEventsLost(id)
+            | Observation::KvEventsTrusted(id) => {
                 self.fleet
                     .get(id)
                     .ok_or(ObserveError::UnknownInstance(id))?;
-                self.exact.apply(id.slot, &events);
-                Ok(())
-            }
-            Observation::KvEventsLost(id) => {
-                self.fleet
-                    .get(id)
-                    .ok_or(ObserveError::UnknownInstance(id))?;
-                self.exact.lose(id.slot);
-                Ok(())
-            }
-            Observation::KvEventsTrusted(id) => {
-                self.fleet
-                    .get(id)
-                    .ok_or(ObserveError::UnknownInstance(id))?;
-                self.exact.trust(id.slot);
+                match observation {
+                    Observation::KvEvents(_, events) => self.exact.apply(id.slot, &events),
+                    Observation::KvEventsLost(_) => self.exact.lose(id.slot),
+                    _ => self.exact.trust(id.slot),
+                }
                 Ok(())
             }
         }

@@ -344,26 +344,30 @@ impl Metrics {
             health_checks.clone(),
         );
         let kv_events = KvEventFamilies::default();
-        registry.register(
-            "switchyard_kv_events_received",
-            "KV cache events decoded from a backend's ZeroMQ stream and fed to the router",
-            kv_events.received.clone(),
-        );
-        registry.register(
-            "switchyard_kv_event_gaps",
-            "KV event messages lost: sequence numbers skipped in a backend's stream",
-            kv_events.gaps.clone(),
-        );
-        registry.register(
-            "switchyard_kv_event_decode_errors",
-            "KV event messages that could not be decoded (dropped and handled as lost)",
-            kv_events.decode_errors.clone(),
-        );
-        registry.register(
-            "switchyard_kv_event_fallbacks",
-            "Episodes of a backend's KV events becoming untrusted (gap, silence, lag, disconnection): its exact index is dropped and the approximate one used",
-            kv_events.fallbacks.clone(),
-        );
+        for (name, help, family) in [
+            (
+                "switchyard_kv_events_received",
+                "KV cache events decoded from a backend's ZeroMQ stream and fed to the router",
+                &kv_events.received,
+            ),
+            (
+                "switchyard_kv_event_gaps",
+                "KV event messages lost: sequence numbers skipped in a backend's stream",
+                &kv_events.gaps,
+            ),
+            (
+                "switchyard_kv_event_decode_errors",
+                "KV event messages that could not be decoded (dropped and handled as lost)",
+                &kv_events.decode_errors,
+            ),
+            (
+                "switchyard_kv_event_fallbacks",
+                "Episodes of a backend's KV events becoming untrusted (gap, silence, lag, disconnection): its exact index is dropped and the approximate one used",
+                &kv_events.fallbacks,
+            ),
+        ] {
+            registry.register(name, help, family.clone());
+        }
         registry.register(
             "switchyard_kv_events_exact",
             "1 while the router matches a backend exactly from its KV events, 0 while it falls back to the approximate index",
