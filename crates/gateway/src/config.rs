@@ -76,6 +76,12 @@ pub struct Settings {
     pub model_aliases: BTreeMap<String, String>,
     /// Refuse unknown model names (404) even when the fleet serves a single base model.
     pub strict_models: bool,
+    /// KV events: how long an engine may publish nothing while it reports prompt work that
+    /// must have stored blocks, or how old a batch may arrive, before its events are untrusted.
+    pub kv_events_silence: Duration,
+    /// KV events: how long a (re)subscribed stream must run clean, with events, before the
+    /// router matches its backend exactly again.
+    pub kv_events_probation: Duration,
 }
 
 impl Default for Settings {
@@ -111,6 +117,8 @@ impl Default for Settings {
             lora_paths: std::collections::BTreeMap::new(),
             model_aliases: BTreeMap::new(),
             strict_models: false,
+            kv_events_silence: Duration::from_secs(10),
+            kv_events_probation: Duration::from_secs(5),
         }
     }
 }
