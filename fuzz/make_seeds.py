@@ -78,3 +78,43 @@ put("fleet_file", "json", b"\x02" + json.dumps(
     {"backends": [{"address": "http://[::1]:8000", "role": "decode"}]}).encode())
 put("fleet_file", "empty_list", b"\x00backends: []\n")
 put("fleet_file", "flag", b"\x00http://127.0.0.1:8000,kind=vllm,role=decode,models=a;b,weight=0.5,name=x")
+
+
+def msgpack(v):
+    """A minimal msgpack encoder for the KV-event seeds (nil, bool, int, float, str, array, map)."""
+    import struct
+    if v is None:
+        return b"\xc0"
+    if v is True:
+        return b"\xc3"
+    if v is False:
+        return b"\xc2"
+    if isinstance(v, int):
+        if 0 <= v < 128:
+            return bytes([v])
+        if v < 0 and v >= -32:
+            return struct.pack("b", v)
+        return b"\xcf" + struct.pack(">Q", v) if v >= 0 else b"\xd3" + struct.pack(">q", v)
+    if isinstance(v, float):
+        return b"\xcb" + struct.pack(">d", v)
+    if isinstance(v, str):
+        b = v.encode()
+        return (bytes([0xA0 | len(b)]) if len(b) < 32 else b"\xd9" + bytes([len(b)])) + b
+    if isinstance(v, list):
+        head = bytes([0x90 | len(v)]) if len(v) < 16 else b"\xdc" + struct.pack(">H", len(v))
+        return head + b"".join(msgpack(x) for x in v)
+    if isinstance(v, dict):
+        head = bytes([0x80 | len(v)])
+        return head + b"".join(msgpack(k) + msgpack(x) for k, x in v.items())
+    raise TypeError(v)
+
+
+stored = ["BlockStored", [11, 12], None, list(range(32)), 16, None]
+removed = ["BlockRemoved", [11]]
+cleared = ["AllBlocksCleared"]
+put("kv_events", "positional", msgpack([1700000000.5, [stored, removed, cleared], 0]))
+put("kv_events", "tagged", msgpack([1700000000.5, [
+    {"type": "BlockStored", "block_hashes": [21], "parent_block_hash": 11,
+     "token_ids": list(range(16)), "block_size": 16, "lora_id": None},
+    {"type": "BlockRemoved", "block_hashes": [21]}, {"type": "AllBlocksCleared"}]]))
+put("kv_events", "multipart", b"k" + (7).to_bytes(8, "big") + msgpack([0.0, [cleared], None]))

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../fuzz"
 SECONDS_EACH=${FUZZ_SECONDS:-12}
 TARGETS=("$@")
 if [ ${#TARGETS[@]} -eq 0 ]; then
-    TARGETS=(request_parser sse_scanner prometheus_text fleet_file)
+    TARGETS=(request_parser sse_scanner prometheus_text fleet_file kv_events)
 fi
 
 export RUSTFLAGS="${RUSTFLAGS:-} --cfg fuzzing -Cpasses=sancov-module \
