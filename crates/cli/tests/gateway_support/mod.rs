@@ -147,10 +147,16 @@ fn strings(args: &[&str]) -> Vec<String> {
 
 /// `switchyard engine` on an ephemeral port (`port` 0) or a given one.
 pub fn engine_on(port: u16, extra: &[&str]) -> Proc {
+    engine_at("127.0.0.1", port, extra)
+}
+
+/// `switchyard engine` on a given loopback address (127.0.0.2 and up let several engines share
+/// one port, as pods of a pool do).
+pub fn engine_at(host: &str, port: u16, extra: &[&str]) -> Proc {
     let mut args = strings(&[
         "engine",
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         &port.to_string(),
         "--model",
