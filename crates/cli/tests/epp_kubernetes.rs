@@ -111,32 +111,19 @@ async fn pods_join_drain_leave_and_survive_410_and_outages() {
         pod("stranger", "127.0.0.5", true, json!({"app": "sglang"})),
     );
 
-    let epp = Proc::start(
-        &[
-            "epp",
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--grpc-health-port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--health-interval",
-            "0.2",
-            "--drain-timeout",
-            "1",
-            "--admin-token",
-            TOKEN,
-            "--pool-name",
-            "llama",
-            "--pool-namespace",
-            "ml",
-            "--kubeconfig",
-            kubeconfig.to_str().expect("utf-8 path"),
-        ]
-        .map(String::from),
-    );
+    let kubeconfig = kubeconfig.to_str().expect("utf-8 path");
+    let epp = epp(&[
+        "--drain-timeout",
+        "1",
+        "--admin-token",
+        TOKEN,
+        "--pool-name",
+        "llama",
+        "--pool-namespace",
+        "ml",
+        "--kubeconfig",
+        kubeconfig,
+    ]);
     let c = client();
 
     wait_fleet(&c, &epp, &[&ea, &eb], "ready selected pods join").await;
@@ -255,18 +242,13 @@ async fn pods_join_drain_leave_and_survive_410_and_outages() {
 
 #[test]
 fn pool_name_and_a_static_fleet_are_refused_together() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args([
-            "epp",
-            "--pool-name",
-            "llama",
-            "--backend",
-            "http://127.0.0.1:1",
-        ])
-        .output()
-        .expect("runs");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = fails(&[
+        "epp",
+        "--pool-name",
+        "llama",
+        "--backend",
+        "http://127.0.0.1:1",
+    ]);
     assert!(
         err.contains("--pool-name") && err.contains("--backend"),
         "{err}"
@@ -275,23 +257,18 @@ fn pool_name_and_a_static_fleet_are_refused_together() {
 
 #[test]
 fn a_missing_kubeconfig_is_a_clear_error() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args([
-            "epp",
-            "--metrics-port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--grpc-health-port",
-            "0",
-            "--pool-name",
-            "llama",
-            "--kubeconfig",
-            "/nonexistent/kubeconfig",
-        ])
-        .output()
-        .expect("runs");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = fails(&[
+        "epp",
+        "--metrics-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--grpc-health-port",
+        "0",
+        "--pool-name",
+        "llama",
+        "--kubeconfig",
+        "/nonexistent/kubeconfig",
+    ]);
     assert!(err.contains("kubeconfig /nonexistent/kubeconfig"), "{err}");
 }

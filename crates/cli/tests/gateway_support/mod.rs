@@ -190,6 +190,37 @@ pub fn gateway(extra: &[&str]) -> Proc {
     Proc::start(&args)
 }
 
+/// `switchyard epp` on 127.0.0.1 with ephemeral ports and fast health checks. Flags in
+/// `extra` come after these (`--health-interval` there replaces the default).
+pub fn epp(extra: &[&str]) -> Proc {
+    let mut args = strings(&[
+        "epp",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--grpc-health-port",
+        "0",
+        "--metrics-port",
+        "0",
+    ]);
+    if !extra.contains(&"--health-interval") {
+        args.extend(strings(&["--health-interval", "0.2"]));
+    }
+    args.extend(strings(extra));
+    Proc::start(&args)
+}
+
+/// Runs `switchyard <args>`, expects it to fail, and returns its stderr.
+pub fn fails(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(args)
+        .output()
+        .expect("runs");
+    assert!(!out.status.success(), "switchyard {args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 /// `--backend` value for a process with explicit models.
 pub fn backend(p: &Proc) -> String {
     format!("{},models={MODEL}", p.base)
