@@ -5,13 +5,14 @@
 //! kube's watcher relists after a `410 Gone` event, resumes from the last resource version
 //! (bookmarks keep it fresh) when a watch ends, and with `default_backoff` waits longer after
 //! each failure. Two things are added here: an HTTP 410 when a watch starts (kube retries that
-//! resource version forever) rebuilds the watcher, which relists; and an outage is logged once
+//! resource version forever) rebuilds the watcher, which relists (a second rebuild within
+//! 10 s waits 2 s first); and an outage is logged once
 //! per resource, counted in `switchyard_discovery_errors_total`, and changes nothing: the last
 //! known fleet keeps serving until the API server answers again.
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
@@ -57,6 +58,29 @@ fn pod_events(api: &Api<Pod>) -> Events<Pod> {
         .boxed()
 }
 
+/// Rebuilds of one watcher closer together than this wait [`REBUILD_PAUSE`] first, so an API
+/// server (or a proxy) answering every watch with HTTP 410 is not asked in a tight loop.
+const REBUILD_WINDOW: Duration = Duration::from_secs(10);
+/// See [`REBUILD_WINDOW`].
+const REBUILD_PAUSE: Duration = Duration::from_secs(2);
+
+/// `events`, started after `pause` (none: at once).
+fn after<K: Send + 'static>(pause: Option<Duration>, events: Events<K>) -> Events<K> {
+    match pause {
+        None => events,
+        Some(d) => futures_util::stream::once(tokio::time::sleep(d))
+            .filter_map(|()| std::future::ready(None))
+            .chain(events)
+            .boxed(),
+    }
+}
+
+/// The pause before rebuilding a watcher last rebuilt at `last`.
+fn pause_before_rebuild(last: Option<Instant>, now: Instant) -> Option<Duration> {
+    last.filter(|t| now.duration_since(*t) < REBUILD_WINDOW)
+        .map(|_| REBUILD_PAUSE)
+}
+
 /// Whether the API server said the resource version is too old (the watch must relist).
 fn is_gone(e: &watcher::Error) -> bool {
     match e {
@@ -80,6 +104,8 @@ struct Discovery {
     pool_found: Option<bool>,
     /// Per [`Kind`]: failing since the last success (an outage already logged).
     failing: [bool; 2],
+    /// Per [`Kind`]: when its watcher was last rebuilt.
+    rebuilt: [Option<Instant>; 2],
 }
 
 impl Discovery {
@@ -116,6 +142,12 @@ impl Discovery {
             );
         }
         false
+    }
+
+    /// Notes a rebuild of `kind`'s watcher; the pause before it starts.
+    fn rebuild(&mut self, kind: Kind) -> Option<Duration> {
+        let now = Instant::now();
+        pause_before_rebuild(self.rebuilt[kind as usize].replace(now), now)
     }
 
     /// Applies the wanted set when both lists are complete and it changed.
@@ -166,6 +198,7 @@ pub async fn run(
         applied: None,
         pool_found: None,
         failing: [false; 2],
+        rebuilt: [None; 2],
     };
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -180,7 +213,7 @@ pub async fn run(
                 }
                 Err(e) => {
                     if d.failed(Kind::Pool, &e) {
-                        pool_stream = pool_events(&pools, &d.pool.name);
+                        pool_stream = after(d.rebuild(Kind::Pool), pool_events(&pools, &d.pool.name));
                     }
                 }
             },
@@ -193,10 +226,44 @@ pub async fn run(
                 }
                 Err(e) => {
                     if d.failed(Kind::Pods, &e) {
-                        pod_stream = pod_events(&pods);
+                        pod_stream = after(d.rebuild(Kind::Pods), pod_events(&pods));
                     }
                 }
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::core::Status;
+
+    fn status(code: u16) -> Box<Status> {
+        Box::new(serde_json::from_value(serde_json::json!({"code": code})).expect("a status"))
+    }
+
+    #[test]
+    fn only_410s_are_gone() {
+        assert!(is_gone(&watcher::Error::WatchError(status(410))));
+        assert!(is_gone(&watcher::Error::WatchStartFailed(
+            kube::Error::Api(status(410))
+        )));
+        assert!(!is_gone(&watcher::Error::WatchError(status(500))));
+        assert!(!is_gone(&watcher::Error::WatchStartFailed(
+            kube::Error::Api(status(403))
+        )));
+        assert!(!is_gone(&watcher::Error::NoResourceVersion));
+    }
+
+    #[test]
+    fn rebuilds_close_together_pause() {
+        let now = Instant::now();
+        assert_eq!(pause_before_rebuild(None, now), None);
+        assert_eq!(
+            pause_before_rebuild(Some(now - Duration::from_secs(1)), now),
+            Some(REBUILD_PAUSE)
+        );
+        assert_eq!(pause_before_rebuild(Some(now - REBUILD_WINDOW), now), None);
     }
 }
