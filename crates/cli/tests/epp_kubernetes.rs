@@ -14,21 +14,23 @@ use std::time::Duration;
 
 use gateway_support::*;
 use kube_support::{pod, pool, set_ready, FakeKube, Gone, Kind};
-use serde_json::json;
+use serde_json::{json, Value};
 
 const TOKEN: &str = "k8s-test-token";
 const DEADLINE: Duration = Duration::from_secs(60);
 
+/// The picker's `/admin/fleet`.
+async fn admin_fleet(c: &reqwest::Client, epp: &Proc) -> Value {
+    let auth = format!("Bearer {TOKEN}");
+    get_with(c, &epp.url("/admin/fleet"), &[("authorization", &auth)])
+        .await
+        .json()
+}
+
 /// Backend names (`ip:port`) in the picker's fleet that are not leaving, once every one of
 /// them has its models discovered.
 async fn fleet(c: &reqwest::Client, epp: &Proc) -> Option<BTreeSet<String>> {
-    let r = get_with(
-        c,
-        &epp.url("/admin/fleet"),
-        &[("authorization", &format!("Bearer {TOKEN}"))],
-    )
-    .await;
-    let v = r.json();
+    let v = admin_fleet(c, epp).await;
     if !v["pending_discovery"].as_array()?.is_empty() {
         return None;
     }
@@ -94,7 +96,15 @@ async fn pods_join_drain_leave_and_survive_410_and_outages() {
         Kind::Pool,
         pool("other-pool", json!({"app": "sglang"}), &[port]),
     );
-    kube.put(Kind::Pod, pod("a", "127.0.0.2", true, app.clone()));
+    kube.put(
+        Kind::Pod,
+        pod(
+            "a",
+            "127.0.0.2",
+            true,
+            json!({"app": "vllm", "llm-d.ai/role": "decode"}),
+        ),
+    );
     kube.put(
         Kind::Pod,
         pod(
@@ -127,6 +137,15 @@ async fn pods_join_drain_leave_and_survive_410_and_outages() {
     let c = client();
 
     wait_fleet(&c, &epp, &[&ea, &eb], "ready selected pods join").await;
+    let admin = admin_fleet(&c, &epp).await;
+    let role = |addr: &str| {
+        admin["backends"]
+            .as_array()
+            .and_then(|bs| bs.iter().find(|b| b["name"] == addr))
+            .map(|b| b["role"].clone())
+    };
+    assert_eq!(role(&ea), Some(json!("decode")), "{admin}");
+    assert_eq!(role(&eb), Some(json!("both")), "prefill-decode: {admin}");
 
     kube.update(Kind::Pod, "c", |p| set_ready(p, true));
     wait_fleet(&c, &epp, &[&ea, &eb, &ec], "a pod turning ready joins").await;
@@ -156,13 +175,7 @@ async fn pods_join_drain_leave_and_survive_410_and_outages() {
     // `stranger` (127.0.0.5) has no engine: it stays in discovery, so only the leaving is
     // checked here.
     let left = poll(DEADLINE, || async {
-        let r = get_with(
-            &c,
-            &epp.url("/admin/fleet"),
-            &[("authorization", &format!("Bearer {TOKEN}"))],
-        )
-        .await;
-        let v = r.json();
+        let v = admin_fleet(&c, &epp).await;
         (v["backends"].as_array()?.is_empty()
             && v["pending_discovery"] == json!([format!("127.0.0.5:{port}")]))
         .then_some(())
