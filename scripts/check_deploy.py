@@ -59,7 +59,7 @@ CRD_SCHEMAS = {
 # Flags the manifests use before the docs list them: Kubernetes discovery for `switchyard epp`
 # (GIE's reference picker's names) is being added on the k8s-discovery branch. Remove an entry
 # once the flag is in the docs table; until then it warns, it does not fail.
-PENDING_FLAGS = {"epp": {"--pool-name", "--pool-namespace"}}
+PENDING_FLAGS: dict[str, set[str]] = {}
 
 DOC_FLAGS = {"epp": "docs/epp.md", "serve": "docs/gateway.md"}
 

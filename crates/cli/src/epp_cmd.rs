@@ -3,9 +3,11 @@
 
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
+use switchyard_epp::discovery::{default_namespace, PoolSettings};
 use switchyard_epp::{BodyWatch, EppSettings};
 use switchyard_gateway::Settings;
 
@@ -52,15 +54,60 @@ pub struct EppArgs {
     /// Fallback endpoints after the first in x-gateway-destination-endpoint.
     #[arg(long, default_value_t = 2)]
     pub max_fallbacks: u32,
+    /// Discover the fleet from this InferencePool (inference.networking.k8s.io/v1) and the
+    /// ready pods it selects, instead of --backend / --fleet-file.
+    #[arg(long, value_name = "NAME")]
+    pub pool_name: Option<String>,
+    /// The InferencePool's namespace (default: $NAMESPACE, $POD_NAMESPACE, the service
+    /// account's namespace, else `default`).
+    #[arg(long, value_name = "NAMESPACE", requires = "pool_name")]
+    pub pool_namespace: Option<String>,
+    /// Kubeconfig for reaching the API server from outside the cluster (default: $KUBECONFIG
+    /// when set, else the in-cluster service account).
+    #[arg(long, value_name = "FILE", requires = "pool_name")]
+    pub kubeconfig: Option<PathBuf>,
     #[command(flatten)]
     pub fleet: FleetArgs,
 }
 
+/// The pool to discover, when `--pool-name` is given (which excludes a static fleet).
+fn pool(args: &EppArgs) -> Result<Option<PoolSettings>> {
+    let Some(name) = &args.pool_name else {
+        if args.fleet.backends.is_empty() && args.fleet.fleet_file.is_none() {
+            bail!("no backends: give --pool-name NAME (Kubernetes), --backend URL or --fleet-file FILE");
+        }
+        return Ok(None);
+    };
+    if !args.fleet.backends.is_empty() || args.fleet.fleet_file.is_some() {
+        bail!(
+            "--pool-name discovers the fleet from Kubernetes: give it without --backend and \
+             --fleet-file (or drop --pool-name to list the backends yourself)"
+        );
+    }
+    if name.is_empty() {
+        bail!("--pool-name must not be empty");
+    }
+    let namespace = match &args.pool_namespace {
+        Some(ns) if ns.is_empty() => bail!("--pool-namespace must not be empty"),
+        Some(ns) => ns.clone(),
+        None => default_namespace(
+            |k| std::env::var(k).ok(),
+            |p| std::fs::read_to_string(p).ok(),
+        ),
+    };
+    Ok(Some(PoolSettings {
+        name: name.clone(),
+        namespace,
+        kubeconfig: args.kubeconfig.clone(),
+    }))
+}
+
 /// The picker's settings from its flags.
 pub fn settings(args: &EppArgs) -> Result<EppSettings> {
+    let pool = pool(args)?;
     let gateway = Settings {
         max_retries: args.max_fallbacks,
-        ..args.fleet.settings(args.fleet.router()?)?
+        ..args.fleet.settings(args.fleet.router()?, pool.is_none())?
     };
     Ok(EppSettings {
         gateway,
@@ -71,6 +118,7 @@ pub fn settings(args: &EppArgs) -> Result<EppSettings> {
             ResponseBodies::Watch => BodyWatch::Watch,
             ResponseBodies::Skip => BodyWatch::Skip,
         },
+        pool,
     })
 }
 

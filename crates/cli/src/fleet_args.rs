@@ -143,14 +143,16 @@ impl FleetArgs {
     }
 
     /// The settings these flags give (`router` validated here), the rest at their defaults.
-    pub fn settings(&self, router: RouterConfig) -> Result<Settings> {
+    /// `need_backends`: whether `--backend` or `--fleet-file` must be given (not when the
+    /// fleet is discovered some other way).
+    pub fn settings(&self, router: RouterConfig, need_backends: bool) -> Result<Settings> {
         router.validate()?;
         let backends = self
             .backends
             .iter()
             .map(|b| BackendSpec::parse_flag(b))
             .collect::<Result<Vec<_>, _>>()?;
-        if backends.is_empty() && self.fleet_file.is_none() {
+        if need_backends && backends.is_empty() && self.fleet_file.is_none() {
             bail!("no backends: give --backend URL (repeatable) or --fleet-file FILE");
         }
         if self.admin_token.as_deref().is_some_and(str::is_empty) {

@@ -43,7 +43,9 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // kube's client logs every failed call to the API server at error level, each
+                // retry of an outage again; discovery logs the outage once itself.
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,kube_client=off")),
         )
         .with_writer(std::io::stderr)
         .init();

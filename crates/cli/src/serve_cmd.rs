@@ -170,7 +170,7 @@ impl PlacementArgs {
 pub fn settings(args: &ServeArgs) -> Result<Settings> {
     let mut router = args.fleet.router()?;
     let lora_paths = args.placement.apply(&mut router)?;
-    let common = args.fleet.settings(router)?;
+    let common = args.fleet.settings(router, true)?;
     let mut api_keys = match std::env::var("SWITCHYARD_API_KEYS") {
         Ok(v) => parse_api_keys(&v),
         Err(_) => Default::default(),

@@ -7,9 +7,11 @@
 //!
 //! Where things happen: the gRPC service in [`service`], one request's exchange in
 //! [`exchange`], the messages sent back in [`messages`]. The fleet (backends, health checks,
-//! scrapes, the fleet file) is the gateway's ([`switchyard_gateway::launch`]).
+//! scrapes, the fleet file) is the gateway's ([`switchyard_gateway::launch`]); on Kubernetes
+//! [`discovery`] keeps it in step with an `InferencePool`.
 #![warn(missing_docs)]
 
+pub mod discovery;
 pub mod exchange;
 pub mod messages;
 pub mod service;
@@ -47,6 +49,8 @@ pub struct EppSettings {
     pub metrics: SocketAddr,
     /// Whether Envoy sends response bodies (see [`BodyWatch`]).
     pub bodies: BodyWatch,
+    /// The `InferencePool` to discover the fleet from (instead of backends and a fleet file).
+    pub pool: Option<discovery::PoolSettings>,
 }
 
 /// Why the picker could not start or stopped.
@@ -63,6 +67,9 @@ pub enum EppError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// Kubernetes discovery could not start.
+    #[error(transparent)]
+    Discovery(#[from] discovery::DiscoveryError),
     /// A server stopped with an error.
     #[error("serve: {0}")]
     Serve(String),
@@ -97,6 +104,11 @@ fn local(l: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, EppError> {
 
 /// Sets up the fleet, binds the three ports and starts serving.
 pub async fn start(settings: EppSettings) -> Result<RunningEpp, EppError> {
+    // The API client first: a bad kubeconfig is reported before any port is taken.
+    let kube = match &settings.pool {
+        Some(pool) => Some((discovery::client(pool).await?, pool.clone())),
+        None => None,
+    };
     let fleet = launch(settings.gateway)?;
     let gw = fleet.gateway.clone();
     let grpc = bind(settings.grpc).await?;
@@ -128,6 +140,14 @@ pub async fn start(settings: EppSettings) -> Result<RunningEpp, EppError> {
         // answer carries it back in chunks of at most `messages::MAX_CHUNK`.
         .max_decoding_message_size(64 << 20);
     let mut tasks = Vec::new();
+    if let Some((client, pool)) = kube {
+        let shutdown = until_stopped();
+        let gw = gw.clone();
+        tasks.push(tokio::spawn(async move {
+            discovery::watch::run(gw, client, pool, shutdown).await;
+            Ok(())
+        }));
+    }
     let shutdown = until_stopped();
     tasks.push(tokio::spawn(async move {
         tonic::transport::Server::builder()

@@ -130,7 +130,9 @@ pub fn retire(gw: &Arc<Gateway>, name: &str, timeout: Duration) {
 }
 
 /// Applies the fleet file's backend list as a diff against what the file listed before:
-/// new ones join, missing ones drain and leave, changed ones are replaced.
+/// new ones join, missing ones drain and leave, changed ones are replaced. Kubernetes
+/// discovery (`switchyard epp --pool-name`, which excludes a fleet file) applies each new
+/// desired set through here too, so both share one join/drain/leave path.
 pub fn apply_file(gw: &Arc<Gateway>, specs: Vec<BackendSpec>) {
     let drain = gw.settings.drain_timeout;
     let mut to_add = Vec::new();

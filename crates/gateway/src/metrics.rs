@@ -119,6 +119,12 @@ pub struct Metrics {
     health_checks: Family<ResultLabels, Counter>,
     kv_events: KvEventFamilies,
     reloads: Family<ResultLabel, Counter>,
+    /// Failed Kubernetes discovery calls (list, watch): one per failure, whatever the cause.
+    pub discovery_errors: Counter,
+    /// Unix time of the last successful Kubernetes discovery call (0: never).
+    pub discovery_last_sync: Gauge<f64, AtomicU64>,
+    /// Endpoints the Kubernetes pool currently asks for.
+    pub discovery_endpoints: Gauge,
     placements: Family<PlacementLabels, Counter>,
     /// Placement series created, to remove a leaving backend's.
     placement_series: parking_lot::Mutex<Vec<PlacementLabels>>,
@@ -379,6 +385,24 @@ impl Metrics {
             "Fleet file reloads by result (ok, error)",
             reloads.clone(),
         );
+        let discovery_errors = Counter::default();
+        registry.register(
+            "switchyard_discovery_errors",
+            "Failed Kubernetes discovery calls (list or watch of the pool or its pods)",
+            discovery_errors.clone(),
+        );
+        let discovery_last_sync = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "switchyard_discovery_last_sync_timestamp_seconds",
+            "Unix time of the last successful Kubernetes discovery call (0: never)",
+            discovery_last_sync.clone(),
+        );
+        let discovery_endpoints = Gauge::default();
+        registry.register(
+            "switchyard_discovery_endpoints",
+            "Endpoints (ready pod x target port) the watched InferencePool selects",
+            discovery_endpoints.clone(),
+        );
         let placements = Family::<PlacementLabels, Counter>::default();
         registry.register(
             "switchyard_adapter_placements",
@@ -417,6 +441,9 @@ impl Metrics {
             health_checks,
             kv_events,
             reloads,
+            discovery_errors,
+            discovery_last_sync,
+            discovery_endpoints,
         }
     }
 

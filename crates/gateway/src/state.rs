@@ -33,7 +33,7 @@ pub struct Registry {
     pub pending: BTreeMap<String, BackendSpec>,
     /// Backends leaving (draining before removal), by name.
     pub leaving: HashSet<String>,
-    /// Names the fleet file listed at its last load.
+    /// Names the fleet file (or Kubernetes discovery) listed at its last load.
     pub from_file: HashSet<String>,
     /// Dynamic adapter placement (`--dynamic-lora-placement`): the demand and the plan.
     pub placement: Option<switchyard_core::placement::Planner>,

@@ -147,10 +147,16 @@ fn strings(args: &[&str]) -> Vec<String> {
 
 /// `switchyard engine` on an ephemeral port (`port` 0) or a given one.
 pub fn engine_on(port: u16, extra: &[&str]) -> Proc {
+    engine_at("127.0.0.1", port, extra)
+}
+
+/// `switchyard engine` on a given loopback address (127.0.0.2 and up let several engines share
+/// one port, as pods of a pool do).
+pub fn engine_at(host: &str, port: u16, extra: &[&str]) -> Proc {
     let mut args = strings(&[
         "engine",
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         &port.to_string(),
         "--model",
@@ -182,6 +188,37 @@ pub fn gateway(extra: &[&str]) -> Proc {
     }
     args.extend(strings(extra));
     Proc::start(&args)
+}
+
+/// `switchyard epp` on 127.0.0.1 with ephemeral ports and fast health checks. Flags in
+/// `extra` come after these (`--health-interval` there replaces the default).
+pub fn epp(extra: &[&str]) -> Proc {
+    let mut args = strings(&[
+        "epp",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--grpc-health-port",
+        "0",
+        "--metrics-port",
+        "0",
+    ]);
+    if !extra.contains(&"--health-interval") {
+        args.extend(strings(&["--health-interval", "0.2"]));
+    }
+    args.extend(strings(extra));
+    Proc::start(&args)
+}
+
+/// Runs `switchyard <args>`, expects it to fail, and returns its stderr.
+pub fn fails(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(args)
+        .output()
+        .expect("runs");
+    assert!(!out.status.success(), "switchyard {args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// `--backend` value for a process with explicit models.

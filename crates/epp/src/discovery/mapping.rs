@@ -1,0 +1,285 @@
+//! Pure functions from Kubernetes objects to the fleet: which pods a pool selects, which of
+//! them take traffic, and the backends (`ip:port`, one per target port) they become.
+//!
+//! Only these small views are kept between events, not whole pods, so memory stays at a few
+//! hundred bytes per pod in the namespace.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+
+use k8s_openapi::api::core::v1::Pod;
+use switchyard_core::Role;
+use switchyard_gateway::BackendSpec;
+
+use super::pool::InferencePool;
+
+/// The pod label llm-d sets for disaggregated serving.
+pub const ROLE_LABEL: &str = "llm-d.ai/role";
+
+/// What discovery keeps of a pool.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PoolView {
+    /// `spec.selector.matchLabels`.
+    pub selector: BTreeMap<String, String>,
+    /// `spec.targetPorts[].number`, valid ones only, in order, without repeats.
+    pub ports: Vec<u16>,
+}
+
+/// What discovery keeps of a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodView {
+    /// `metadata.name`.
+    pub name: String,
+    /// `status.podIP`, when set and valid.
+    pub ip: Option<IpAddr>,
+    /// Condition `Ready` is `True`.
+    pub ready: bool,
+    /// `metadata.deletionTimestamp` is set.
+    pub terminating: bool,
+    /// `metadata.labels`.
+    pub labels: BTreeMap<String, String>,
+}
+
+impl PoolView {
+    /// The view of a pool object.
+    pub fn of(pool: &InferencePool) -> PoolView {
+        let mut ports = Vec::new();
+        for p in &pool.spec.target_ports {
+            match u16::try_from(p.number) {
+                Ok(n) if n > 0 && !ports.contains(&n) => ports.push(n),
+                Ok(_) => {}
+                Err(_) => tracing::warn!(port = p.number, "InferencePool target port out of range"),
+            }
+        }
+        PoolView {
+            selector: pool.spec.selector.match_labels.clone(),
+            ports,
+        }
+    }
+
+    /// Whether the pool selects a pod with these labels. An empty selector selects nothing:
+    /// like a Service without a selector, not every pod in the namespace.
+    pub fn selects(&self, labels: &BTreeMap<String, String>) -> bool {
+        !self.selector.is_empty()
+            && self
+                .selector
+                .iter()
+                .all(|(k, v)| labels.get(k).is_some_and(|l| l == v))
+    }
+}
+
+impl PodView {
+    /// The view of a pod object.
+    pub fn of(pod: &Pod) -> PodView {
+        let status = pod.status.as_ref();
+        let ready = status
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        let ip = status
+            .and_then(|s| s.pod_ip.as_deref())
+            .and_then(|ip| ip.parse().ok());
+        PodView {
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            ip,
+            ready,
+            terminating: pod.metadata.deletion_timestamp.is_some(),
+            labels: pod.metadata.labels.clone().unwrap_or_default(),
+        }
+    }
+
+    /// Whether the pod should take new requests: ready, addressed, not being deleted.
+    pub fn serves(&self) -> bool {
+        self.ready && self.ip.is_some() && !self.terminating
+    }
+
+    /// The role from [`ROLE_LABEL`]: `prefill`, `decode`; `prefill-decode`, absent or anything
+    /// else serves both.
+    pub fn role(&self) -> Role {
+        match self.labels.get(ROLE_LABEL).map(String::as_str) {
+            Some("prefill") => Role::Prefill,
+            Some("decode") => Role::Decode,
+            _ => Role::Both,
+        }
+    }
+}
+
+/// The backends a pool asks for: every selected pod that serves, once per target port, named
+/// and addressed `ip:port`, models left empty so they are discovered from the engine as for a
+/// `--backend` without `models=`. Sorted by name; a name two pods share (host networking) goes
+/// to the pod whose name sorts first. No pool: no backends.
+pub fn desired<'a>(
+    pool: Option<&PoolView>,
+    pods: impl IntoIterator<Item = &'a PodView>,
+) -> Vec<BackendSpec> {
+    let Some(pool) = pool else {
+        return Vec::new();
+    };
+    let mut pods: Vec<&PodView> = pods
+        .into_iter()
+        .filter(|p| p.serves() && pool.selects(&p.labels))
+        .collect();
+    pods.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut out: BTreeMap<String, BackendSpec> = BTreeMap::new();
+    for pod in pods {
+        let Some(ip) = pod.ip else { continue };
+        for &port in &pool.ports {
+            let addr = SocketAddr::new(ip, port).to_string();
+            out.entry(addr.clone()).or_insert_with(|| BackendSpec {
+                name: addr.clone(),
+                address: format!("http://{addr}"),
+                role: pod.role(),
+                labels: BTreeMap::from([("pod".to_string(), pod.name.clone())]),
+                ..BackendSpec::default()
+            });
+        }
+    }
+    out.into_values().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(name: &str, ip: Option<&str>, ready: bool, labels: serde_json::Value) -> Pod {
+        let mut status = json!({
+            "phase": "Running",
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Ready", "status": if ready { "True" } else { "False" }}
+            ]
+        });
+        if let Some(ip) = ip {
+            status["podIP"] = json!(ip);
+        }
+        serde_json::from_value(json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ml", "labels": labels},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
+            "status": status
+        }))
+        .expect("a pod")
+    }
+
+    fn pool(ports: &[i32]) -> PoolView {
+        let pool: InferencePool = serde_json::from_value(json!({
+            "metadata": {"name": "p"},
+            "spec": {
+                "selector": {"matchLabels": {"app": "vllm"}},
+                "targetPorts": ports.iter().map(|n| json!({"number": n})).collect::<Vec<_>>()
+            }
+        }))
+        .expect("a pool");
+        PoolView::of(&pool)
+    }
+
+    fn names(specs: &[BackendSpec]) -> Vec<&str> {
+        specs.iter().map(|s| s.name.as_str()).collect()
+    }
+
+    #[test]
+    fn ready_pods_join_unready_and_unaddressed_ones_do_not() {
+        let pods = [
+            PodView::of(&pod("a", Some("10.0.0.1"), true, json!({"app": "vllm"}))),
+            PodView::of(&pod("b", Some("10.0.0.2"), false, json!({"app": "vllm"}))),
+            PodView::of(&pod("c", None, true, json!({"app": "vllm"}))),
+        ];
+        let specs = desired(Some(&pool(&[8000])), &pods);
+        assert_eq!(names(&specs), ["10.0.0.1:8000"]);
+        assert_eq!(specs[0].address, "http://10.0.0.1:8000");
+        assert!(specs[0].models.is_empty(), "models are discovered");
+        assert_eq!(specs[0].labels["pod"], "a");
+    }
+
+    #[test]
+    fn a_terminating_pod_leaves_even_while_ready() {
+        let mut p = pod("a", Some("10.0.0.1"), true, json!({"app": "vllm"}));
+        p.metadata.deletion_timestamp =
+            Some(serde_json::from_value(json!("2026-12-04T12:00:00Z")).expect("a time"));
+        let view = PodView::of(&p);
+        assert!(view.terminating && view.ready);
+        assert!(desired(Some(&pool(&[8000])), [&view]).is_empty());
+    }
+
+    #[test]
+    fn one_backend_per_target_port_and_bad_ports_are_skipped() {
+        let pods = [PodView::of(&pod(
+            "a",
+            Some("10.0.0.1"),
+            true,
+            json!({"app": "vllm"}),
+        ))];
+        let p = pool(&[8000, 8001, 8000, 0, 70000]);
+        assert_eq!(p.ports, [8000, 8001]);
+        assert_eq!(
+            names(&desired(Some(&p), &pods)),
+            ["10.0.0.1:8000", "10.0.0.1:8001"]
+        );
+    }
+
+    #[test]
+    fn ipv6_pods_get_bracketed_addresses() {
+        let pods = [PodView::of(&pod(
+            "a",
+            Some("fd00::1"),
+            true,
+            json!({"app": "vllm"}),
+        ))];
+        let specs = desired(Some(&pool(&[8000])), &pods);
+        assert_eq!(specs[0].address, "http://[fd00::1]:8000");
+    }
+
+    #[test]
+    fn roles_come_from_the_llm_d_label() {
+        let role = |labels| PodView::of(&pod("a", Some("10.0.0.1"), true, labels)).role();
+        assert_eq!(role(json!({ROLE_LABEL: "prefill"})), Role::Prefill);
+        assert_eq!(role(json!({ROLE_LABEL: "decode"})), Role::Decode);
+        assert_eq!(role(json!({ROLE_LABEL: "prefill-decode"})), Role::Both);
+        assert_eq!(role(json!({})), Role::Both);
+        let pods = [PodView::of(&pod(
+            "a",
+            Some("10.0.0.1"),
+            true,
+            json!({"app": "vllm", ROLE_LABEL: "decode"}),
+        ))];
+        assert_eq!(desired(Some(&pool(&[8000])), &pods)[0].role, Role::Decode);
+    }
+
+    #[test]
+    fn the_selector_needs_every_label_and_an_empty_one_selects_nothing() {
+        let mut p = pool(&[8000]);
+        p.selector.insert("tier".into(), "gpu".into());
+        let both = BTreeMap::from([
+            ("app".to_string(), "vllm".to_string()),
+            ("tier".to_string(), "gpu".to_string()),
+            ("extra".to_string(), "x".to_string()),
+        ]);
+        let one = BTreeMap::from([("app".to_string(), "vllm".to_string())]);
+        let wrong = BTreeMap::from([
+            ("app".to_string(), "sglang".to_string()),
+            ("tier".to_string(), "gpu".to_string()),
+        ]);
+        assert!(p.selects(&both));
+        assert!(!p.selects(&one));
+        assert!(!p.selects(&wrong));
+        assert!(!PoolView::default().selects(&both));
+    }
+
+    #[test]
+    fn no_pool_no_backends_and_a_shared_ip_goes_to_the_first_pod() {
+        let pods = [
+            PodView::of(&pod("b", Some("10.0.0.1"), true, json!({"app": "vllm"}))),
+            PodView::of(&pod(
+                "a",
+                Some("10.0.0.1"),
+                true,
+                json!({"app": "vllm", ROLE_LABEL: "prefill"}),
+            )),
+        ];
+        assert!(desired(None, &pods).is_empty());
+        let specs = desired(Some(&pool(&[8000])), &pods);
+        assert_eq!(specs.len(), 1);
+        assert_eq!(specs[0].labels["pod"], "a");
+    }
+}
