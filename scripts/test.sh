@@ -12,6 +12,9 @@ cargo fmt --all -- --check
 echo "== Deploy files (Kubernetes manifests, Envoy configurations; no build, about 20 s)"
 bash scripts/check-deploy.sh
 
+echo "== Prometheus rules and Grafana dashboards (promtool from Debian; no build, about 2 s)"
+bash scripts/check-prometheus.sh
+
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
