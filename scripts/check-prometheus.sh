@@ -43,4 +43,4 @@ elif ! python3 -c 'import yaml' 2>/dev/null; then
     bash scripts/python-env.sh >/dev/null
     PY=.venv/bin/python
 fi
-"$PY" scripts/check_prometheus.py
+PROMTOOL="$(command -v "$PROMTOOL")" "$PY" scripts/check_prometheus.py

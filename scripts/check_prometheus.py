@@ -7,7 +7,8 @@ scripts/check-prometheus.sh (after promtool has checked the syntax and the alert
 2. Every metric name in a PromQL expression of the recording rules, the alerting rules, the
    alert tests' expressions and every Grafana dashboard (panel targets and template variables)
    is in that table (histograms with `_bucket`, `_sum`, `_count`), a recording rule's name,
-   or one of ALSO_ALLOWED; PENDING names only warn.
+   or one of ALSO_ALLOWED; PENDING names only warn. The dashboards' expressions, variables
+   filled in, go through `promtool check rules` ($PROMTOOL) to prove they parse.
 3. Every alerting rule has `for`, a `severity` label and `summary` and `description`
    annotations; every Grafana target's datasource is the `${DS_PROMETHEUS}` input.
 
@@ -18,8 +19,11 @@ cannot pass everything.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -73,6 +77,27 @@ def metric_names(expr: str) -> set[str]:
             continue
         names.add(word)
     return names
+
+
+def promql_syntax(exprs: list[tuple[str, str]]) -> list[str]:
+    """The dashboards' expressions, Grafana variables filled in, through `promtool check rules`
+    (the rule files get that from promtool directly); skipped without $PROMTOOL."""
+    promtool = os.environ.get("PROMTOOL")
+    if not promtool:
+        print("check-prometheus: warning: PROMTOOL unset, dashboard PromQL syntax not checked")
+        return []
+    rules = []
+    for i, (_, expr) in enumerate(exprs):
+        e = expr.replace("$__rate_interval", "5m").replace("$__interval", "1m")
+        e = re.sub(r"\$\{?\w+\}?", ".*", e)
+        rules.append({"record": f"dashboard:expr:{i}", "expr": e})
+    with tempfile.NamedTemporaryFile("w", suffix=".yml") as f:
+        yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}, f)
+        f.flush()
+        r = subprocess.run([promtool, "check", "rules", f.name], capture_output=True, text=True)
+    if r.returncode == 0:
+        return []
+    return [f"dashboard PromQL does not parse (rules are numbered in order):\n{r.stdout}{r.stderr}"]
 
 
 def self_test() -> None:
@@ -147,6 +172,9 @@ def main() -> int:
         errors.append(f"deploy/prometheus/tests.yml: alert {a} has no test")
 
     dashboards = sorted(GRAFANA.glob("*.json"))
+    if not dashboards:
+        errors.append("no dashboard in deploy/grafana/")
+    dashboard_exprs: list[tuple[str, str]] = []
     for path in dashboards:
         board = json.loads(path.read_text())
         where = path.relative_to(ROOT)
@@ -157,7 +185,7 @@ def main() -> int:
             panels.extend(p.get("panels", []))  # collapsed rows
         for p in panels:
             for t in p.get("targets", []):
-                exprs.append((f"{where}: panel {p.get('title')!r}", t["expr"]))
+                dashboard_exprs.append((f"{where}: panel {p.get('title')!r}", t["expr"]))
                 ds = t.get("datasource") or p.get("datasource") or {}
                 if ds.get("uid") != "${DS_PROMETHEUS}":
                     errors.append(f"{where}: panel {p.get('title')!r}: datasource is not ${{DS_PROMETHEUS}}")
@@ -166,7 +194,9 @@ def main() -> int:
             q = q.get("query", "") if isinstance(q, dict) else (q or "")
             m = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\)\s*", q)
             if m:
-                exprs.append((f"{where}: variable {v.get('name')}", m.group(1)))
+                dashboard_exprs.append((f"{where}: variable {v.get('name')}", m.group(1)))
+    exprs += dashboard_exprs
+    errors += promql_syntax(dashboard_exprs)
 
     for where, expr in exprs:
         for name in sorted(metric_names(expr)):
