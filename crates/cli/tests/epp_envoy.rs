@@ -146,28 +146,6 @@ async fn start_envoy(bin: &PathBuf, epp: &Proc, config: Config<'_>, body_mode: &
     envoy
 }
 
-fn epp(extra: &[&str]) -> Proc {
-    let mut args: Vec<String> = [
-        "epp",
-        "--host",
-        "127.0.0.1",
-        "--grpc-port",
-        "0",
-        "--grpc-health-port",
-        "0",
-        "--metrics-port",
-        "0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    if !extra.contains(&"--health-interval") {
-        args.extend(["--health-interval".to_string(), "0.2".to_string()]);
-    }
-    args.extend(extra.iter().map(|s| s.to_string()));
-    Proc::start(&args)
-}
-
 /// Waits until the picker sees every backend healthy (so the first request has a choice).
 async fn wait_healthy(epp: &Proc, n: usize) {
     let c = client();

@@ -1,7 +1,8 @@
-//! A real Prometheus scrapes a running `switchyard serve` on 127.0.0.1 with the rules of
-//! deploy/prometheus/ loaded: what it stores is what the gateway counted (names, labels,
-//! values), and every recording and alerting rule evaluates without error on the gateway's real
-//! series (a label mismatch in a `group_left`, say, would show here and in no unit test).
+//! A real Prometheus scrapes a running `switchyard serve` and `switchyard epp` (each its own job)
+//! on 127.0.0.1 with the rules of deploy/prometheus/ loaded: what it stores is what the gateway
+//! counted (names, labels, values), and every recording and alerting rule evaluates without error
+//! on the real series (a label mismatch in a `group_left`, say, would show here and in no unit
+//! test).
 //!
 //! Prometheus is Debian's `prometheus` package (2.42 on bookworm; scripts/check-prometheus.sh
 //! installs it): `$SWITCHYARD_PROMETHEUS`, else `prometheus` on the PATH. Without it the test
@@ -77,9 +78,10 @@ fn encode(s: &str) -> String {
         .collect()
 }
 
-/// Starts Prometheus scraping `target` every second with deploy/prometheus/'s rules; waits for
-/// its readiness endpoint. A port taken between the probe and the bind gets another try.
-async fn start_prometheus(bin: &Path, target: &str) -> Prometheus {
+/// Starts Prometheus scraping each (job, `host:port`) of `targets` every second with
+/// deploy/prometheus/'s rules; waits for its readiness endpoint. A port taken between the probe
+/// and the bind gets another try.
+async fn start_prometheus(bin: &Path, targets: &[(&str, String)]) -> Prometheus {
     let rules = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/prometheus");
     let c = client();
     for attempt in 0..3 {
@@ -89,12 +91,16 @@ async fn start_prometheus(bin: &Path, target: &str) -> Prometheus {
             std::process::id()
         ));
         std::fs::create_dir_all(dir.join("data")).unwrap();
-        let config = format!(
+        let mut config = format!(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
              rule_files:\n  - {rules}/recording.yml\n  - {rules}/alerts.yml\n\
-             scrape_configs:\n  - job_name: switchyard-serve\n    static_configs:\n      \
-             - targets: [\"{target}\"]\n"
+             scrape_configs:\n"
         );
+        for (job, target) in targets {
+            config += &format!(
+                "  - job_name: {job}\n    static_configs:\n      - targets: [\"{target}\"]\n"
+            );
+        }
         std::fs::write(dir.join("prometheus.yml"), config).unwrap();
         let child = Command::new(bin)
             .arg(format!(
@@ -189,16 +195,29 @@ async fn prometheus_scrapes_the_gateway_and_evaluates_every_rule() {
         "--policy",
         "round-robin",
     ]);
-    let prom = start_prometheus(&bin, &gw.authority()).await;
+    // The endpoint picker over the same engines, scraped as its own job on its metrics port.
+    let picker = epp(&["--backend", &backend(&e1), "--backend", &backend(&e2)]);
+    let targets = [
+        ("switchyard-serve", gw.authority()),
+        ("switchyard-epp", picker.authority()),
+    ];
+    let prom = start_prometheus(&bin, &targets).await;
     let c = client();
 
-    // A first scrape before any request, so the counters rise between scrapes (rates above 0).
-    let up = poll(Duration::from_secs(30), || async {
-        let r = query(&c, &prom, "up{job=\"switchyard-serve\"} == 1").await?;
-        (r.len() == 1).then_some(())
+    // A first scrape of both before any request, so the counters rise between scrapes (rates
+    // above 0), and each job sees both engines healthy under its own name.
+    let healthy = poll(Duration::from_secs(30), || async {
+        let up = query(&c, &prom, "up == 1").await?;
+        let q = "count by (job) (switchyard_backend_healthy == 1)";
+        let per_job = by_label(&query(&c, &prom, q).await?, "job");
+        (up.len() == 2 && per_job.values().all(|&n| n == 2.0) && per_job.len() == 2)
+            .then_some(per_job)
     })
     .await;
-    assert!(up.is_some(), "Prometheus never scraped the gateway");
+    assert!(
+        healthy.is_some(),
+        "Prometheus never saw both jobs up with both engines healthy"
+    );
 
     let n = 6;
     for i in 0..n {
@@ -240,7 +259,8 @@ async fn prometheus_scrapes_the_gateway_and_evaluates_every_rule() {
     // The hot-spot chain (histogram quantiles, their median, the ratio): the worst backend is at
     // least the median, so the ratio is a finite number of at least 1.
     let hot = poll(Duration::from_secs(30), || async {
-        let r = query(&c, &prom, "job:switchyard_ttft_hot_spot:max_ratio_5m").await?;
+        let q = "job:switchyard_ttft_hot_spot:max_ratio_5m{job=\"switchyard-serve\"}";
+        let r = query(&c, &prom, q).await?;
         let v: f64 = r.first()?["value"][1].as_str()?.parse().ok()?;
         (v.is_finite() && v >= 1.0).then_some(v)
     })

@@ -184,6 +184,30 @@ pub fn gateway(extra: &[&str]) -> Proc {
     Proc::start(&args)
 }
 
+/// `switchyard epp` on 127.0.0.1 with ephemeral gRPC, gRPC health and metrics ports (its
+/// `base` is the metrics port) and fast health checks unless `extra` sets them.
+pub fn epp(extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = [
+        "epp",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--grpc-health-port",
+        "0",
+        "--metrics-port",
+        "0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if !extra.contains(&"--health-interval") {
+        args.extend(["--health-interval".to_string(), "0.2".to_string()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Proc::start(&args)
+}
+
 /// `--backend` value for a process with explicit models.
 pub fn backend(p: &Proc) -> String {
     format!("{},models={MODEL}", p.base)
