@@ -2,7 +2,7 @@
 //! on 127.0.0.1 with the rules of deploy/prometheus/ loaded: what it stores is what the gateway
 //! counted (names, labels, values), and every recording and alerting rule evaluates without error
 //! on the real series (a label mismatch in a `group_left`, say, would show here and in no unit
-//! test).
+//! test), as does every query of the Grafana dashboard.
 //!
 //! Prometheus is Debian's `prometheus` package (2.42 on bookworm; scripts/check-prometheus.sh
 //! installs it): `$SWITCHYARD_PROMETHEUS`, else `prometheus` on the PATH. Without it the test
@@ -266,6 +266,34 @@ async fn prometheus_scrapes_the_gateway_and_evaluates_every_rule() {
     })
     .await;
     assert!(hot.is_some(), "no hot-spot ratio recorded");
+
+    // Every query of the Grafana dashboard, its variables filled in, runs without error here.
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/grafana/switchyard.json"
+    );
+    let board: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let (mut answered, mut total) = (0, 0);
+    for panel in board["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"]
+                .as_str()
+                .unwrap()
+                .replace("$__rate_interval", "1m")
+                .replace("$job", ".*")
+                .replace("$backend", ".*");
+            let result = query(&c, &prom, &expr).await;
+            let title = &panel["title"];
+            let result = result.unwrap_or_else(|| panic!("panel {title}: {expr} failed"));
+            answered += usize::from(!result.is_empty());
+            total += 1;
+        }
+    }
+    eprintln!("dashboard: {answered} of {total} queries had data");
+    assert!(
+        answered > 10,
+        "only {answered} of {total} dashboard queries had data"
+    );
 
     // Every rule of both files loaded and evaluated without error on these real series.
     let expected_rules = ["recording.yml", "alerts.yml"]
