@@ -10,7 +10,8 @@ scripts/check-prometheus.sh (after promtool has checked the syntax and the alert
    or one of ALSO_ALLOWED; PENDING names only warn. The dashboards' expressions, variables
    filled in, go through `promtool check rules` ($PROMTOOL) to prove they parse.
 3. Every alerting rule has `for`, a `severity` label and `summary` and `description`
-   annotations; every Grafana target's datasource is the `${DS_PROMETHEUS}` input.
+   annotations and a test in tests.yml; every alert and recording rule is listed in
+   docs/observability.md; every Grafana target's datasource is the `${DS_PROMETHEUS}` input.
 
 A self-test first feeds the extractor expressions with a known answer, so a broken extractor
 cannot pass everything.
@@ -167,6 +168,11 @@ def main() -> int:
         for r in g["rules"]
         if "alert" in r
     }
+    guide = (ROOT / "docs" / "observability.md").read_text()
+    recorded = {r for r in allowed if ":" in r}
+    for name in sorted(alert_names | recorded):
+        if f"`{name}`" not in guide:
+            errors.append(f"docs/observability.md does not list {name}")
     tested = {a["alertname"] for t in tests["tests"] for a in t.get("alert_rule_test", [])}
     for a in sorted(alert_names - tested):
         errors.append(f"deploy/prometheus/tests.yml: alert {a} has no test")
