@@ -29,6 +29,9 @@ cargo build --workspace --bins
 cargo nextest run --workspace --no-fail-fast
 cargo test --workspace --doc
 
+echo "== Fuzz targets (bounded: 12 s each, from the committed corpus)"
+bash scripts/fuzz.sh
+
 if [ -d tests/python ]; then
     echo "== Python tests"
     bash scripts/llamacpp-env.sh

@@ -43,8 +43,10 @@ pub fn parse_model_aliases(entries: &[String]) -> Result<BTreeMap<String, String
 #[derive(Debug, Clone, Args)]
 pub struct FleetArgs {
     /// A backend: URL[,role=prefill|decode|both][,models=a+b][,adapters=x+y]
-    /// [,kind=vllm|sglang|llamacpp|trtllm|auto][,name=N][,weight=W] (repeatable). Without
-    /// models=, the models and adapters are discovered from the backend's /v1/models.
+    /// [,kind=vllm|sglang|llamacpp|trtllm|auto][,name=N][,weight=W]
+    /// [,kv_events=tcp://HOST:PORT] (repeatable). Without models=, the models and adapters are
+    /// discovered from the backend's /v1/models; with kv_events=, the engine's KV events are
+    /// subscribed to for exact prefix matching.
     #[arg(long = "backend", value_name = "URL[,key=value...]")]
     pub backends: Vec<String>,
     /// Fleet file (YAML, or TOML/JSON by extension) with `backends: [...]`; watched and
@@ -84,6 +86,15 @@ pub struct FleetArgs {
     /// Seconds allowed for one health check, scrape or discovery call.
     #[arg(long, default_value = "2", value_parser = parse_secs)]
     pub probe_timeout: Duration,
+    /// KV events (backends with kv_events=): seconds an engine may publish nothing while it
+    /// reports uncached prompt work, or a batch may take to arrive, before its events are
+    /// untrusted and the backend is routed on the approximate index.
+    #[arg(long, default_value = "10", value_parser = parse_secs)]
+    pub kv_events_silence: Duration,
+    /// KV events: seconds a new or resubscribed stream must run clean, with events, before the
+    /// backend is matched exactly again.
+    #[arg(long, default_value = "5", value_parser = parse_secs)]
+    pub kv_events_probation: Duration,
     /// Seconds in-flight responses may take to finish after SIGINT/SIGTERM, or a removed
     /// backend to drain.
     #[arg(long, default_value = "30", value_parser = parse_secs)]
@@ -156,6 +167,8 @@ impl FleetArgs {
             scrape_interval: self.scrape_interval,
             health_interval: self.health_interval,
             probe_timeout: self.probe_timeout,
+            kv_events_silence: self.kv_events_silence,
+            kv_events_probation: self.kv_events_probation,
             queue_size: self.queue_size,
             queue_timeout: self.queue_timeout,
             drain_timeout: self.drain_timeout,

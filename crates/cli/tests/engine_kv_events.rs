@@ -59,15 +59,7 @@ async fn expect_block_stored(sub: &mut zeromq::SubSocket, emu: &Emulator) {
 
 #[tokio::test]
 async fn subscriber_receives_block_stored_when_emulator_binds() {
-    let emu = Emulator::start(&[
-        "--model",
-        MODEL,
-        "--speed",
-        "100",
-        "--kv-events-endpoint",
-        "tcp://127.0.0.1:0",
-        "--kv-events-bind",
-    ]);
+    let emu = Emulator::start_publishing(MODEL);
     let ep = emu.kv_endpoint.clone().expect("kv-events line");
     let mut sub = zeromq::SubSocket::new();
     sub.subscribe("").await.unwrap();

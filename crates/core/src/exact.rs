@@ -4,7 +4,7 @@
 //! crate's chained hash of their token ids (what llm-d does); the engine's hashes are kept only
 //! to resolve parents and removals. Matching needs the request's token ids.
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::observe::KvEvent;
 use crate::prefix::{chain_seed, token_block_hashes, BlockMatch, PrefixIndex, Slot};
@@ -17,6 +17,9 @@ pub struct ExactIndex {
     engine_to_own: FxHashMap<(Slot, u64), u64>,
     /// Tokens per block per publishing slot; a slot is in exact mode once it has published.
     block_size: FxHashMap<Slot, u32>,
+    /// Slots whose event stream broke ([`ExactIndex::lose`]): events still build their view,
+    /// but lookups fall back to the approximate index until [`ExactIndex::trust`].
+    untrusted: FxHashSet<Slot>,
     scratch: Vec<u64>,
     matches: Vec<BlockMatch>,
 }
@@ -72,15 +75,44 @@ impl ExactIndex {
         }
     }
 
-    /// Forgets everything about an instance.
+    /// Forgets the blocks an instance holds (it still publishes: `AllBlocksCleared`).
     pub fn clear_slot(&mut self, slot: Slot) {
         self.index.clear_slot(slot);
         self.engine_to_own.retain(|(s, _), _| *s != slot);
     }
 
+    /// Forgets everything about an instance, its exact mode too (it left the fleet: the slot
+    /// may be reused by an instance that publishes nothing).
+    pub fn forget_slot(&mut self, slot: Slot) {
+        self.clear_slot(slot);
+        self.block_size.remove(&slot);
+        self.untrusted.remove(&slot);
+    }
+
+    /// The instance's event stream broke (a gap, silence, lag, a lost connection): what the
+    /// view holds may be stale, so it is dropped, and lookups fall back to the approximate
+    /// index until [`ExactIndex::trust`]. Events keep rebuilding the view meanwhile.
+    pub fn lose(&mut self, slot: Slot) {
+        self.clear_slot(slot);
+        self.untrusted.insert(slot);
+    }
+
+    /// The instance's events are trusted again: lookups use the exact view.
+    pub fn trust(&mut self, slot: Slot) {
+        self.untrusted.remove(&slot);
+    }
+
+    /// Whether lookups on `slot` are exact (it publishes and its stream is trusted).
+    pub fn is_exact(&self, slot: Slot) -> bool {
+        self.block_size.contains_key(&slot) && !self.untrusted.contains(&slot)
+    }
+
     /// Cached prompt tokens on `slot` for a base-model request with these token ids, if the
     /// instance publishes events (None otherwise: fall back to the approximate index).
     pub fn cached_tokens(&mut self, slot: Slot, tokens: &[u32]) -> Option<u32> {
+        if self.untrusted.contains(&slot) {
+            return None;
+        }
         let size = *self.block_size.get(&slot)?;
         self.scratch.clear();
         token_block_hashes(tokens, seed(None), size as usize, &mut self.scratch);
@@ -140,6 +172,35 @@ mod tests {
         );
         exact.apply(0, &[KvEvent::AllCleared]);
         assert_eq!(exact.cached_tokens(0, &[1, 2]), Some(0));
+    }
+
+    #[test]
+    fn a_lost_stream_falls_back_until_trusted_and_its_view_is_rebuilt() {
+        let mut exact = ExactIndex::default();
+        exact.apply(0, &[stored(&[100, 101], None, &[1, 2, 3, 4])]);
+        exact.apply(1, &[stored(&[200], None, &[1, 2])]);
+        assert!(exact.is_exact(0));
+        exact.lose(0);
+        assert!(!exact.is_exact(0));
+        assert_eq!(exact.cached_tokens(0, &[1, 2, 3, 4]), None, "approximate");
+        assert_eq!(exact.cached_tokens(1, &[1, 2]), Some(2), "others untouched");
+        // Events during the fallback rebuild the view; the old blocks are gone.
+        exact.apply(0, &[stored(&[300], None, &[9, 9])]);
+        assert_eq!(exact.cached_tokens(0, &[9, 9]), None);
+        exact.trust(0);
+        assert!(exact.is_exact(0));
+        assert_eq!(exact.cached_tokens(0, &[9, 9]), Some(2));
+        assert_eq!(
+            exact.cached_tokens(0, &[1, 2, 3, 4]),
+            Some(0),
+            "dropped at the loss"
+        );
+        exact.forget_slot(0);
+        assert_eq!(
+            exact.cached_tokens(0, &[9, 9]),
+            None,
+            "a reused slot starts blind"
+        );
     }
 
     #[test]

@@ -70,6 +70,12 @@ pub enum Observation {
     Failed(RequestId),
     /// KV cache events from an instance (exact mode).
     KvEvents(InstanceId, Vec<KvEvent>),
+    /// The instance's KV event stream broke or is not yet trusted (a sequence gap, silence, lag,
+    /// a new subscription): its exact view is dropped and its lookups use the approximate index
+    /// until [`Observation::KvEventsTrusted`]; events keep rebuilding the view meanwhile.
+    KvEventsLost(InstanceId),
+    /// The instance's KV events are trusted again: exact lookups resume on it.
+    KvEventsTrusted(InstanceId),
     /// An adapter was loaded onto an instance (e.g. by dynamic placement): it is registered
     /// and resident there from now on.
     AdapterLoaded(InstanceId, String),

@@ -207,6 +207,12 @@ impl Router {
         &self.index
     }
 
+    /// Whether requests with token ids are matched exactly on this instance: it publishes KV
+    /// events and its stream is trusted.
+    pub fn is_exact(&self, id: InstanceId) -> bool {
+        self.fleet.get(id).is_some() && self.exact.is_exact(id.slot)
+    }
+
     /// Name of the policy in force.
     pub fn policy_name(&self) -> &'static str {
         self.policy.traits().name
@@ -316,7 +322,11 @@ impl Router {
         };
         // Cheap: a sum of piece lengths.
         let prompt_bytes = request.prompt.rendered_len();
-        let prompt_tokens = ((prompt_bytes as f64 / self.bytes_per_token).ceil() as u32).max(1);
+        // Token ids, when the request carries them, count exactly; else the bytes estimate.
+        let prompt_tokens = match request.token_ids {
+            Some(ids) if !ids.is_empty() => u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            _ => ((prompt_bytes as f64 / self.bytes_per_token).ceil() as u32).max(1),
+        };
         let generates = request.kind == RequestKind::Generate;
         let hashes: &[u64] = if uses_index { &prepared.hashes } else { &[] };
 
@@ -740,11 +750,17 @@ impl Router {
                 instance.adapters.resident.retain(|a| *a != adapter);
                 Ok(())
             }
-            Observation::KvEvents(id, events) => {
+            Observation::KvEvents(id, _)
+            | Observation::KvEventsLost(id)
+            | Observation::KvEventsTrusted(id) => {
                 self.fleet
                     .get(id)
                     .ok_or(ObserveError::UnknownInstance(id))?;
-                self.exact.apply(id.slot, &events);
+                match observation {
+                    Observation::KvEvents(_, events) => self.exact.apply(id.slot, &events),
+                    Observation::KvEventsLost(_) => self.exact.lose(id.slot),
+                    _ => self.exact.trust(id.slot),
+                }
                 Ok(())
             }
         }
@@ -789,7 +805,7 @@ impl Router {
             .remove(id)
             .ok_or(ObserveError::UnknownInstance(id))?;
         self.index.clear_slot(id.slot);
-        self.exact.clear_slot(id.slot);
+        self.exact.forget_slot(id.slot);
         self.ladder.remove(id.slot);
         self.policy.forget_instance(id.slot);
         self.in_flight.retain(|_, r| r.instance != id);

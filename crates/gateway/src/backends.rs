@@ -126,6 +126,9 @@ pub struct BackendSpec {
     /// SGLang disaggregation bootstrap port of a prefill server; setting it makes this
     /// backend's prefill legs SGLang-style (see [`PdStyle`]).
     pub bootstrap_port: Option<u16>,
+    /// The engine's KV event publisher, `tcp://host:port` (vLLM `--kv-events-config`): the
+    /// gateway subscribes and the router matches this backend exactly (see `kv_events`).
+    pub kv_events: Option<String>,
 }
 
 impl Default for BackendSpec {
@@ -142,6 +145,7 @@ impl Default for BackendSpec {
             adapter_slots: None,
             kv_capacity_tokens: None,
             bootstrap_port: None,
+            kv_events: None,
         }
     }
 }
@@ -254,12 +258,15 @@ impl BackendSpec {
         if !(self.weight.is_finite() && self.weight > 0.0) {
             return Err(SpecError::Option(self.name, "weight must be > 0".into()));
         }
+        if let Some(endpoint) = &self.kv_events {
+            check_kv_endpoint(endpoint).map_err(|why| SpecError::Option(self.name.clone(), why))?;
+        }
         Ok(self)
     }
 
     /// Parses the `--backend` flag: `URL[,role=prefill|decode|both][,models=a+b]
     /// [,adapters=x+y][,kind=vllm|sglang|llamacpp|trtllm|auto][,name=N][,weight=W]
-    /// [,adapter_slots=N][,bootstrap_port=P]`.
+    /// [,adapter_slots=N][,bootstrap_port=P][,kv_events=tcp://HOST:PORT]`.
     pub fn parse_flag(flag: &str) -> Result<BackendSpec, SpecError> {
         let mut parts = flag.split(',');
         let address = parts.next().unwrap_or_default().trim().to_string();
@@ -315,9 +322,10 @@ impl BackendSpec {
                             .map_err(|_| bad(format!("bootstrap_port `{value}` is not a port")))?,
                     )
                 }
+                "kv_events" => spec.kv_events = Some(value.trim().to_string()),
                 other => {
                     return Err(bad(format!(
-                        "unknown option `{other}` (role, models, adapters, kind, name, weight, adapter_slots, bootstrap_port)"
+                        "unknown option `{other}` (role, models, adapters, kind, name, weight, adapter_slots, bootstrap_port, kv_events)"
                     )))
                 }
             }
@@ -339,6 +347,17 @@ impl BackendSpec {
             ..InstanceSpec::default()
         }
     }
+}
+
+/// Checks a KV event endpoint: `tcp://host:port` (the only transport the gateway speaks).
+fn check_kv_endpoint(endpoint: &str) -> Result<(), String> {
+    let bad = || format!("kv_events `{endpoint}`: expected tcp://HOST:PORT");
+    let rest = endpoint.strip_prefix("tcp://").ok_or_else(bad)?;
+    let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+    if host.is_empty() || host.contains('*') || !port.parse::<u16>().is_ok_and(|p| p != 0) {
+        return Err(bad());
+    }
+    Ok(())
 }
 
 /// Checks that names are unique.
@@ -589,6 +608,9 @@ mod tests {
         assert_eq!(s.bootstrap_port, None);
         let s = BackendSpec::parse_flag("127.0.0.1:8003,role=prefill,bootstrap_port=9000").unwrap();
         assert_eq!(s.bootstrap_port, Some(9000));
+        assert_eq!(s.kv_events, None);
+        let s = BackendSpec::parse_flag("127.0.0.1:8004,kv_events=tcp://127.0.0.1:5557").unwrap();
+        assert_eq!(s.kv_events.as_deref(), Some("tcp://127.0.0.1:5557"));
         for bad in [
             "127.0.0.1",
             "https://h:1",
@@ -599,6 +621,11 @@ mod tests {
             "h:1,nokey",
             "h:1,bootstrap_port=70000",
             "h:1,bootstrap_port=x",
+            "h:1,kv_events=127.0.0.1:5557",
+            "h:1,kv_events=tcp://*:5557",
+            "h:1,kv_events=tcp://h",
+            "h:1,kv_events=tcp://h:0",
+            "h:1,kv_events=ipc:///tmp/kv",
         ] {
             assert!(BackendSpec::parse_flag(bad).is_err(), "{bad}");
         }
@@ -613,6 +640,15 @@ mod tests {
         assert_eq!(t.bootstrap_port, Some(9001));
         let none: BackendSpec = serde_norway::from_str("address: h:1\n").unwrap();
         assert_eq!(none.bootstrap_port, None);
+        let kv: BackendSpec =
+            serde_norway::from_str("address: h:1\nkv_events: tcp://10.0.0.1:5557\n").unwrap();
+        assert_eq!(kv.kv_events.as_deref(), Some("tcp://10.0.0.1:5557"));
+        assert!(BackendSpec {
+            kv_events: Some("tcp://h".into()),
+            ..kv
+        }
+        .normalise()
+        .is_err());
         assert!(
             serde_norway::from_str::<BackendSpec>("address: h:1\nbootstrap_port: -1\n").is_err()
         );

@@ -76,6 +76,12 @@ pub struct Settings {
     pub model_aliases: BTreeMap<String, String>,
     /// Refuse unknown model names (404) even when the fleet serves a single base model.
     pub strict_models: bool,
+    /// KV events: how long an engine may publish nothing while it reports prompt work that
+    /// must have stored blocks, or how old a batch may arrive, before its events are untrusted.
+    pub kv_events_silence: Duration,
+    /// KV events: how long a (re)subscribed stream must run clean, with events, before the
+    /// router matches its backend exactly again.
+    pub kv_events_probation: Duration,
 }
 
 impl Default for Settings {
@@ -111,6 +117,8 @@ impl Default for Settings {
             lora_paths: std::collections::BTreeMap::new(),
             model_aliases: BTreeMap::new(),
             strict_models: false,
+            kv_events_silence: Duration::from_secs(10),
+            kv_events_probation: Duration::from_secs(5),
         }
     }
 }
@@ -180,15 +188,21 @@ fn parse_by_extension<T: serde::de::DeserializeOwned>(
 pub fn load_fleet_file(path: &Path) -> Result<FleetConfig, ConfigError> {
     let text =
         std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
+    parse_fleet_file(path, &text)
+}
+
+/// Parses a fleet file's `text`, in the format `path`'s extension names, and checks every
+/// backend and alias (`path` only names the file in errors).
+pub fn parse_fleet_file(path: &Path, text: &str) -> Result<FleetConfig, ConfigError> {
     // An empty file parses as nothing in YAML; a truncate-then-write editor shows one for a
     // moment. Either way it is not "no backends" unless the file says so.
     let no_backends = || ConfigError::NoBackends(path.to_path_buf());
     if text.trim().is_empty() {
         return Err(no_backends());
     }
-    let file: FleetFile = parse_by_extension(path, &text).map_err(|e| match e {
+    let file: FleetFile = parse_by_extension(path, text).map_err(|e| match e {
         // A YAML file of comments only is an empty document: the same case.
-        ConfigError::Parse(..) if is_comments_only(&text) => no_backends(),
+        ConfigError::Parse(..) if is_comments_only(text) => no_backends(),
         other => other,
     })?;
     let specs = file

@@ -10,7 +10,7 @@
 //! * backends are described in [`backends`] and [`config`], join and leave in [`membership`]
 //!   (models found by [`discovery`], fleet file reloads in [`watch`]);
 //! * engines are scraped in [`scrape`] (Prometheus text parsed by [`promtext`]) and checked in
-//!   [`health`]; LoRA adapters are loaded and unloaded by demand in [`adapter_loader`];
+//!   [`health`]; their KV events are subscribed to in [`kv_events`]; LoRA adapters are loaded and unloaded by demand in [`adapter_loader`];
 //! * a request's `model` is resolved (aliases, adapters, the single-model fallback) in
 //!   `switchyard_core::models`;
 //! * HTTP routes are in [`server`] and [`admin`], errors in [`error`], the gateway's own
@@ -31,6 +31,7 @@ pub mod error;
 pub mod forward;
 pub mod health;
 mod json;
+pub mod kv_events;
 pub mod membership;
 pub mod metrics;
 pub mod parse;

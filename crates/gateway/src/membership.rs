@@ -8,7 +8,7 @@ use switchyard_core::Observation;
 
 use crate::backends::{Backend, BackendSpec};
 use crate::state::Gateway;
-use crate::{discovery, health, scrape};
+use crate::{discovery, health, kv_events, scrape};
 
 /// Adds a backend: at once when its models are known, else after discovery succeeds.
 pub fn add(gw: &Arc<Gateway>, spec: BackendSpec) {
@@ -41,7 +41,10 @@ pub fn join(
     spec: BackendSpec,
     from_discovery: bool,
 ) -> Result<Arc<Backend>, String> {
-    let metrics = gw.metrics.for_backend(&spec.name);
+    let mut metrics = gw.metrics.for_backend(&spec.name);
+    if spec.kv_events.is_some() {
+        metrics.kv_events = gw.metrics.kv_events_for(&spec.name);
+    }
     let mut registry = gw.registry.lock();
     if from_discovery && registry.pending.get(&spec.name) != Some(&configured) {
         return Err(format!("`{}` left the fleet during discovery", spec.name));
@@ -68,6 +71,9 @@ pub fn join(
     );
     tokio::spawn(health::run(gw.clone(), backend.clone()));
     tokio::spawn(scrape::run(gw.clone(), backend.clone()));
+    if let Some(endpoint) = backend.spec.kv_events.clone() {
+        tokio::spawn(kv_events::run(gw.clone(), backend.clone(), endpoint));
+    }
     gw.admission.wake();
     Ok(backend)
 }

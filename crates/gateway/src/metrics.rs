@@ -117,6 +117,7 @@ pub struct Metrics {
     in_flight: Family<BackendLabel, Gauge>,
     scrapes: Family<ResultLabels, Counter>,
     health_checks: Family<ResultLabels, Counter>,
+    kv_events: KvEventFamilies,
     reloads: Family<ResultLabel, Counter>,
     placements: Family<PlacementLabels, Counter>,
     /// Placement series created, to remove a leaving backend's.
@@ -124,6 +125,31 @@ pub struct Metrics {
     adapter_demand: Family<AdapterLabel, Gauge<f64, AtomicU64>>,
     /// Adapters with a demand series.
     demand_series: parking_lot::Mutex<Vec<String>>,
+}
+
+/// The KV event subscription's series, one of each per backend with `kv_events=`.
+#[derive(Default)]
+struct KvEventFamilies {
+    received: Family<BackendLabel, Counter>,
+    gaps: Family<BackendLabel, Counter>,
+    decode_errors: Family<BackendLabel, Counter>,
+    fallbacks: Family<BackendLabel, Counter>,
+    exact: Family<BackendLabel, Gauge>,
+}
+
+/// Handles for one backend's KV event series.
+#[derive(Clone, Default)]
+pub struct KvEventMetrics {
+    /// Events decoded and fed to the router.
+    pub received: Counter,
+    /// Sequence numbers skipped (messages lost between the engine and the gateway).
+    pub gaps: Counter,
+    /// Messages that could not be decoded (dropped, handled as a loss).
+    pub decode_errors: Counter,
+    /// Episodes of falling back to the approximate index.
+    pub fallbacks: Counter,
+    /// 1 while the router matches this backend exactly from its events.
+    pub exact: Gauge,
 }
 
 /// Handles for one backend's series.
@@ -165,6 +191,8 @@ pub struct BackendMetrics {
     pub check_ok: Counter,
     /// Failed health checks.
     pub check_error: Counter,
+    /// KV event subscription (series exist only for backends with `kv_events=`).
+    pub kv_events: KvEventMetrics,
 }
 
 impl BackendMetrics {
@@ -189,6 +217,7 @@ impl BackendMetrics {
             scrape_error: Counter::default(),
             check_ok: Counter::default(),
             check_error: Counter::default(),
+            kv_events: KvEventMetrics::default(),
         }
     }
 }
@@ -314,6 +343,36 @@ impl Metrics {
             "Active health checks by backend and result (ok, error)",
             health_checks.clone(),
         );
+        let kv_events = KvEventFamilies::default();
+        for (name, help, family) in [
+            (
+                "switchyard_kv_events_received",
+                "KV cache events decoded from a backend's ZeroMQ stream and fed to the router",
+                &kv_events.received,
+            ),
+            (
+                "switchyard_kv_event_gaps",
+                "KV event messages lost: sequence numbers skipped in a backend's stream",
+                &kv_events.gaps,
+            ),
+            (
+                "switchyard_kv_event_decode_errors",
+                "KV event messages that could not be decoded (dropped and handled as lost)",
+                &kv_events.decode_errors,
+            ),
+            (
+                "switchyard_kv_event_fallbacks",
+                "Episodes of a backend's KV events becoming untrusted (gap, silence, lag, disconnection): its exact index is dropped and the approximate one used",
+                &kv_events.fallbacks,
+            ),
+        ] {
+            registry.register(name, help, family.clone());
+        }
+        registry.register(
+            "switchyard_kv_events_exact",
+            "1 while the router matches a backend exactly from its KV events, 0 while it falls back to the approximate index",
+            kv_events.exact.clone(),
+        );
         let reloads = Family::<ResultLabel, Counter>::default();
         registry.register(
             "switchyard_fleet_reloads",
@@ -356,6 +415,7 @@ impl Metrics {
             in_flight,
             scrapes,
             health_checks,
+            kv_events,
             reloads,
         }
     }
@@ -394,6 +454,23 @@ impl Metrics {
             scrape_error: self.scrapes.get_or_create_owned(&r("error")),
             check_ok: self.health_checks.get_or_create_owned(&r("ok")),
             check_error: self.health_checks.get_or_create_owned(&r("error")),
+            kv_events: KvEventMetrics::default(),
+        }
+    }
+
+    /// Creates (or finds) the KV event series of backend `name` (only backends that publish
+    /// events get them).
+    pub fn kv_events_for(&self, name: &str) -> KvEventMetrics {
+        let b = BackendLabel {
+            backend: name.to_string(),
+        };
+        let k = &self.kv_events;
+        KvEventMetrics {
+            received: k.received.get_or_create_owned(&b),
+            gaps: k.gaps.get_or_create_owned(&b),
+            decode_errors: k.decode_errors.get_or_create_owned(&b),
+            fallbacks: k.fallbacks.get_or_create_owned(&b),
+            exact: k.exact.get_or_create_owned(&b),
         }
     }
 
@@ -444,6 +521,12 @@ impl Metrics {
         self.prompt_tokens.remove(&b);
         self.healthy.remove(&b);
         self.in_flight.remove(&b);
+        let k = &self.kv_events;
+        k.received.remove(&b);
+        k.gaps.remove(&b);
+        k.decode_errors.remove(&b);
+        k.fallbacks.remove(&b);
+        k.exact.remove(&b);
         self.placement_series.lock().retain(|l| {
             if l.backend == name {
                 self.placements.remove(l);

@@ -603,6 +603,23 @@ pub fn parse<'a>(
     parse_serde(body, session_header)
 }
 
+/// Both parsing paths of [`parse`] side by side: the fast scanner's result (`None` when it
+/// hands the body on) and serde's. They must agree wherever the fast one answers; the fuzz
+/// target `request_parser` checks it.
+#[doc(hidden)]
+pub fn parse_both_paths<'a>(
+    body: &'a [u8],
+    session_header: Option<&'a str>,
+) -> (
+    Option<ParsedRequest<'a>>,
+    Result<ParsedRequest<'a>, ApiError>,
+) {
+    (
+        parse_fast(body, session_header),
+        parse_serde(body, session_header),
+    )
+}
+
 /// The general path: every body, every error.
 fn parse_serde<'a>(
     body: &'a [u8],
@@ -776,6 +793,12 @@ impl ParsedRequest<'_> {
     ) -> R {
         let messages: Vec<ChatMessage<'_>>;
         let pieces: Vec<&str>;
+        // Token ids sent by the client (`/v1/completions` with `prompt` as ids) are what the
+        // engine runs: the router matches them exactly against instances publishing KV events.
+        let token_ids: Option<Vec<u32>> = match (&self.messages, &self.prompt) {
+            (None, PromptText::Tokens(t)) => token_ids(t),
+            _ => None,
+        };
         let prompt = match (&self.messages, &self.prompt) {
             (Some(m), _) => {
                 messages = m
@@ -803,11 +826,20 @@ impl ParsedRequest<'_> {
             cache_salt: self.cache_salt.as_deref(),
             session_id: self.session_id.as_deref(),
             phase: self.phase,
-            token_ids: None,
+            token_ids: token_ids.as_deref(),
             kind: Default::default(),
         };
         f(&request)
     }
+}
+
+/// The ids of a [`PromptText::Tokens`] text; none when one does not fit a `u32` (the engine
+/// will refuse it anyway).
+fn token_ids(text: &str) -> Option<Vec<u32>> {
+    text.split_ascii_whitespace()
+        .map(|t| t.parse().ok())
+        .collect::<Option<Vec<u32>>>()
+        .filter(|ids| !ids.is_empty())
 }
 
 /// Adds `"stream_options":{"include_usage":true}` to a body that has no `stream_options`, so the
@@ -955,6 +987,15 @@ mod tests {
             p(r#"{"model":"m","prompt":[[1,2],[3]]}"#).prompt,
             PromptText::Tokens("1 2 3 ".into())
         );
+        let ids = |body: &str| {
+            p(body).with_route_request("m", None, |r| r.token_ids.map(<[u32]>::to_vec))
+        };
+        assert_eq!(
+            ids(r#"{"model":"m","prompt":[1,2,3]}"#),
+            Some(vec![1, 2, 3])
+        );
+        assert_eq!(ids(r#"{"model":"m","prompt":"1 2 3"}"#), None, "text");
+        assert_eq!(ids(r#"{"model":"m","prompt":[5000000000]}"#), None);
         assert_eq!(
             p(r#"{"model":"m","input":"embed me"}"#).prompt,
             PromptText::Text(Cow::Borrowed("embed me"))

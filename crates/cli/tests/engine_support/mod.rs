@@ -75,6 +75,28 @@ impl Emulator {
         }
     }
 
+    /// An emulator of `model` at 100x speed publishing KV events on a loopback port it binds
+    /// (`kv_endpoint`).
+    pub fn start_publishing(model: &str) -> Self {
+        let emu = Self::start(&[
+            "--model",
+            model,
+            "--speed",
+            "100",
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:0",
+            "--kv-events-bind",
+        ]);
+        assert!(emu.kv_endpoint.is_some(), "no kv-events line");
+        emu
+    }
+
+    /// Kills the process now and waits for it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// Process id of the emulator.
     pub fn pid(&self) -> u32 {
         self.child.id()

@@ -1,0 +1,261 @@
+//! KV events end to end: real `switchyard engine` emulators publishing vLLM-format events over
+//! ZeroMQ, a real `switchyard serve` subscribed with `kv_events=`, and a publisher in this test
+//! for what an emulator never does on purpose (a sequence gap, a bad batch). Everything on
+//! 127.0.0.1 with ephemeral ports; polled with deadlines, never fixed sleeps.
+
+mod engine_support;
+mod gateway_support;
+
+use std::time::Duration;
+
+use engine_support::Emulator;
+use gateway_support::{client, gateway, metric_sum, poll, post, Proc, MODEL};
+use rmpv::Value as Mp;
+use serde_json::json;
+use zeromq::{Socket, SocketSend};
+
+fn backend_flag(name: &str, emu: &Emulator, kv: &str) -> String {
+    format!("{},models={MODEL},name={name},kv_events={kv}", emu.base)
+}
+
+async fn metrics(c: &reqwest::Client, gw: &Proc) -> String {
+    c.get(gw.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text")
+}
+
+fn series(text: &str, name: &str, backend: &str) -> f64 {
+    metric_sum(text, name, &[&format!("backend=\"{backend}\"")])
+}
+
+/// Token ids unique to `tag`: `len` of them.
+fn tokens(tag: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|i| 1000 + tag * 10_000 + i).collect()
+}
+
+/// Sends a token prompt straight to an emulator (the gateway's approximate index never sees it).
+async fn seed(c: &reqwest::Client, emu: &Emulator, ids: &[u32]) {
+    let (status, _) = engine_support::post_json(
+        c,
+        &emu.url("/v1/completions"),
+        &json!({"model": MODEL, "prompt": ids, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 200);
+}
+
+/// Waits until the gateway matches `backend` exactly, seeding fresh prompts on its engine so
+/// events flow while the subscription settles (a PUB socket drops what it sends before then).
+async fn until_exact(c: &reqwest::Client, gw: &Proc, emu: &Emulator, backend: &str, tag: u32) {
+    let mut n = 0;
+    let exact = poll(Duration::from_secs(30), || {
+        n += 1;
+        async move {
+            seed(c, emu, &tokens(tag * 100 + n, 48)).await;
+            let m = metrics(c, gw).await;
+            (series(&m, "switchyard_kv_events_exact", backend) == 1.0).then_some(m)
+        }
+    })
+    .await
+    .unwrap_or_else(|| panic!("{backend} never became exact"));
+    assert!(series(&exact, "switchyard_kv_events_received_total", backend) > 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_route_token_prompts_to_their_holder_and_a_killed_publisher_falls_back() {
+    let a = Emulator::start_publishing(MODEL);
+    let mut b = Emulator::start_publishing(MODEL);
+    let gw = gateway(&[
+        "--backend",
+        &backend_flag("a", &a, a.kv_endpoint.as_deref().unwrap()),
+        "--backend",
+        &backend_flag("b", &b, b.kv_endpoint.as_deref().unwrap()),
+        "--debug-header",
+        "--kv-events-probation",
+        "0.3",
+    ]);
+    let c = client();
+    until_exact(&c, &gw, &a, "a", 1).await;
+    until_exact(&c, &gw, &b, "b", 2).await;
+
+    // A prompt only one engine holds, learned from its events alone, draws the request there,
+    // and the decision shows the exact cached tokens (3 blocks of 16 of the 48 seeded).
+    for round in 0..6u32 {
+        let (holder, emu) = if round % 2 == 0 { ("a", &a) } else { ("b", &b) };
+        let received = |m: &str| series(m, "switchyard_kv_events_received_total", holder);
+        let before = received(&metrics(&c, &gw).await);
+        let held = tokens(50 + round, 48);
+        seed(&c, emu, &held).await;
+        // The seed's events reach the gateway on their own time: route once they have.
+        poll(Duration::from_secs(10), || {
+            let (c, gw) = (&c, &gw);
+            async move { (received(&metrics(c, gw).await) > before).then_some(()) }
+        })
+        .await
+        .expect("the seed's events arrive");
+        let mut asked = held.clone();
+        asked.extend(tokens(90 + round, 20));
+        let r = post(
+            &c,
+            &gw.url("/v1/completions"),
+            &json!({"model": MODEL, "prompt": asked, "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let decision = r.header("x-switchyard-decision").unwrap_or_default();
+        assert_eq!(
+            r.header("x-switchyard-backend").as_deref(),
+            Some(holder),
+            "round {round}: {decision}"
+        );
+        assert!(decision.contains("cached=48"), "round {round}: {decision}");
+        assert_eq!(
+            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+            48,
+            "the engine confirms it held the prompt"
+        );
+    }
+
+    // Killing the publisher drops the connection: b falls back to the approximate index.
+    let before = series(
+        &metrics(&c, &gw).await,
+        "switchyard_kv_event_fallbacks_total",
+        "b",
+    );
+    b.kill();
+    let m = poll(Duration::from_secs(15), || {
+        let (c, gw) = (&c, &gw);
+        async move {
+            let m = metrics(c, gw).await;
+            (series(&m, "switchyard_kv_event_fallbacks_total", "b") > before).then_some(m)
+        }
+    })
+    .await
+    .expect("the fallback is counted");
+    assert_eq!(series(&m, "switchyard_kv_events_exact", "b"), 0.0);
+    assert_eq!(
+        series(&m, "switchyard_kv_events_exact", "a"),
+        1.0,
+        "a is untouched"
+    );
+}
+
+/// A publisher in the test: sends what it is told, sequence numbers included.
+struct FakePublisher {
+    socket: zeromq::PubSocket,
+    endpoint: String,
+}
+
+impl FakePublisher {
+    async fn bind() -> FakePublisher {
+        let mut socket = zeromq::PubSocket::new();
+        let endpoint = socket
+            .bind("tcp://127.0.0.1:0")
+            .await
+            .expect("bind")
+            .to_string();
+        FakePublisher { socket, endpoint }
+    }
+
+    /// Publishes `[topic, seq, payload]`.
+    async fn send(&mut self, seq: u64, payload: Vec<u8>) {
+        let frames = vec![
+            bytes::Bytes::from_static(b"kv"),
+            bytes::Bytes::copy_from_slice(&seq.to_be_bytes()),
+            bytes::Bytes::from(payload),
+        ];
+        let message = zeromq::ZmqMessage::try_from(frames).expect("frames");
+        self.socket.send(message).await.expect("send");
+    }
+}
+
+/// A batch in vLLM's array layout with one `BlockStored` of one 16-token block.
+fn stored_batch(hash: u64) -> Vec<u8> {
+    let unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let event = Mp::Array(vec![
+        Mp::from("BlockStored"),
+        Mp::Array(vec![Mp::from(hash)]),
+        Mp::Nil,
+        Mp::Array((0..16u32).map(|t| Mp::from(t + hash as u32)).collect()),
+        Mp::from(16),
+        Mp::Nil,
+        Mp::from("GPU"),
+        Mp::Nil,
+    ]);
+    let batch = Mp::Array(vec![Mp::F64(unix), Mp::Array(vec![event]), Mp::from(0)]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &batch).unwrap();
+    out
+}
+
+/// Publishes consecutive batches from `*seq` until `done` holds for the gateway's metrics.
+async fn publish_until(
+    publisher: &mut FakePublisher,
+    seq: &mut u64,
+    c: &reqwest::Client,
+    gw: &Proc,
+    what: &str,
+    done: impl Fn(&str) -> bool,
+) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        publisher.send(*seq, stored_batch(*seq)).await;
+        *seq += 1;
+        if done(&metrics(c, gw).await) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_gap_or_a_bad_batch_falls_back_until_the_stream_runs_clean() {
+    let engine = Emulator::start(&["--model", MODEL, "--speed", "100"]);
+    let mut publisher = FakePublisher::bind().await;
+    let gw = gateway(&[
+        "--backend",
+        &backend_flag("e", &engine, &publisher.endpoint),
+        "--kv-events-probation",
+        "0.3",
+    ]);
+    let c = client();
+    let exact = |m: &str| series(m, "switchyard_kv_events_exact", "e") == 1.0;
+    let mut seq = 0;
+    publish_until(&mut publisher, &mut seq, &c, &gw, "trusted", exact).await;
+    let m = metrics(&c, &gw).await;
+    assert_eq!(series(&m, "switchyard_kv_event_fallbacks_total", "e"), 0.0);
+    assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 0.0);
+
+    // Two messages never arrive.
+    seq += 2;
+    let fell_back = |m: &str| series(m, "switchyard_kv_event_fallbacks_total", "e") == 1.0;
+    publish_until(&mut publisher, &mut seq, &c, &gw, "gap", fell_back).await;
+    let m = metrics(&c, &gw).await;
+    assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 1.0);
+    // Clean batches earn trust back after the probation.
+    publish_until(&mut publisher, &mut seq, &c, &gw, "trusted again", exact).await;
+
+    // A batch that does not decode is a loss too.
+    publisher.send(seq, vec![0xc1]).await;
+    seq += 1;
+    let twice = |m: &str| series(m, "switchyard_kv_event_fallbacks_total", "e") == 2.0;
+    publish_until(&mut publisher, &mut seq, &c, &gw, "bad batch", twice).await;
+    let m = metrics(&c, &gw).await;
+    assert_eq!(
+        series(&m, "switchyard_kv_event_decode_errors_total", "e"),
+        1.0
+    );
+    assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 1.0);
+    publish_until(&mut publisher, &mut seq, &c, &gw, "trusted at last", exact).await;
+}

@@ -1,0 +1,96 @@
+//! Exact mode and its fallback: an instance's KV events drive the cached-token estimate of
+//! requests with token ids until its stream is lost, then the approximate index does, until the
+//! driver trusts the stream again.
+
+use switchyard_core::{
+    InstanceId, InstanceSpec, KvEvent, Observation, RouteRequest, Router, RouterConfig,
+};
+
+const BLOCK: u32 = 16;
+
+fn fleet() -> (Router, InstanceId, InstanceId) {
+    let mut router = Router::new(RouterConfig::default()).unwrap();
+    let a = router.add_instance(InstanceSpec::new("a", "m")).unwrap();
+    let b = router.add_instance(InstanceSpec::new("b", "m")).unwrap();
+    (router, a, b)
+}
+
+fn stored(first_hash: u64, tokens: &[u32]) -> KvEvent {
+    let blocks = tokens.len() as u64 / u64::from(BLOCK);
+    KvEvent::Stored {
+        block_hashes: (first_hash..first_hash + blocks).collect(),
+        parent_block_hash: None,
+        token_ids: tokens.to_vec(),
+        block_size: BLOCK,
+        lora_name: None,
+    }
+}
+
+/// Cached tokens the router expects on `on` for a request carrying `tokens`.
+fn cached_on(router: &mut Router, on: InstanceId, text: &str, tokens: &[u32], now: f64) -> u32 {
+    let mut request = RouteRequest::text("m", text);
+    request.token_ids = Some(tokens);
+    let decision = router.route(&request, now).unwrap();
+    decision.candidate(on).unwrap().terms.cached_tokens
+}
+
+#[test]
+fn events_drive_the_estimate_until_lost_and_again_once_trusted() {
+    let (mut router, a, b) = fleet();
+    let tokens: Vec<u32> = (0..64).collect();
+    // Text the approximate index never saw: it predicts nothing anywhere.
+    let text = "t ".repeat(64);
+    router
+        .observe(Observation::KvEvents(b, vec![stored(1000, &tokens)]), 1.0)
+        .unwrap();
+    assert!(router.is_exact(b) && !router.is_exact(a));
+    let mut longer = tokens.clone();
+    longer.extend(100..116);
+    assert_eq!(cached_on(&mut router, b, &text, &longer, 1.0), 64);
+    assert_eq!(cached_on(&mut router, a, &text, &longer, 1.0), 0);
+    let decision = {
+        let mut request = RouteRequest::text("m", &text);
+        request.token_ids = Some(&longer);
+        router.route(&request, 1.0).unwrap()
+    };
+    assert_eq!(
+        decision.best(),
+        Some(b),
+        "the holder wins: {}",
+        decision.explain(2)
+    );
+
+    // A broken stream: the exact view is dropped and b is priced like any instance.
+    router.observe(Observation::KvEventsLost(b), 2.0).unwrap();
+    assert!(!router.is_exact(b));
+    assert_eq!(cached_on(&mut router, b, &text, &longer, 2.0), 0);
+    // Events during the fallback rebuild the view without being used.
+    router
+        .observe(Observation::KvEvents(b, vec![stored(2000, &tokens)]), 3.0)
+        .unwrap();
+    assert_eq!(cached_on(&mut router, b, &text, &longer, 3.0), 0);
+    router
+        .observe(Observation::KvEventsTrusted(b), 4.0)
+        .unwrap();
+    assert!(router.is_exact(b));
+    assert_eq!(cached_on(&mut router, b, &text, &longer, 4.0), 64);
+}
+
+#[test]
+fn a_removed_publisher_leaves_no_exact_mode_to_its_slot() {
+    let (mut router, _a, b) = fleet();
+    let tokens: Vec<u32> = (0..32).collect();
+    router
+        .observe(Observation::KvEvents(b, vec![stored(1, &tokens)]), 1.0)
+        .unwrap();
+    router
+        .observe(Observation::InstanceRemoved(b), 2.0)
+        .unwrap();
+    assert_eq!(
+        router.observe(Observation::KvEventsLost(b), 2.0),
+        Err(switchyard_core::ObserveError::UnknownInstance(b))
+    );
+    let c = router.add_instance(InstanceSpec::new("c", "m")).unwrap();
+    assert_eq!(c.slot, b.slot, "the slot is reused");
+    assert!(!router.is_exact(c), "the newcomer publishes nothing yet");
+}
