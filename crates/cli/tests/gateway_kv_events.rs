@@ -259,3 +259,44 @@ async fn a_sequence_gap_or_a_bad_batch_falls_back_until_the_stream_runs_clean() 
     assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 1.0);
     publish_until(&mut publisher, &mut seq, &c, &gw, "trusted at last", exact).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_silent_while_its_engine_works_falls_back() {
+    let engine = Emulator::start(&["--model", MODEL, "--speed", "100"]);
+    let mut publisher = FakePublisher::bind().await;
+    let gw = gateway(&[
+        "--backend",
+        &backend_flag("e", &engine, &publisher.endpoint),
+        "--kv-events-probation",
+        "0.3",
+        "--kv-events-silence",
+        "0.5",
+    ]);
+    let c = client();
+    let exact = |m: &str| series(m, "switchyard_kv_events_exact", "e") == 1.0;
+    let mut seq = 0;
+    publish_until(&mut publisher, &mut seq, &c, &gw, "trusted", exact).await;
+
+    // The publisher says nothing more while the engine computes fresh prompts: blocks it must
+    // have stored go unreported, so the view is not to be trusted.
+    let mut n = 0;
+    let m = poll(Duration::from_secs(20), || {
+        n += 1;
+        let (c, gw) = (&c, &gw);
+        async move {
+            let r = post(
+                c,
+                &gw.url("/v1/completions"),
+                &json!({"model": MODEL, "prompt": tokens(n, 80), "max_tokens": 1}),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", r.text);
+            let m = metrics(c, gw).await;
+            (series(&m, "switchyard_kv_event_fallbacks_total", "e") == 1.0).then_some(m)
+        }
+    })
+    .await
+    .expect("silence is noticed");
+    assert_eq!(series(&m, "switchyard_kv_events_exact", "e"), 0.0);
+    assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 0.0);
+}
