@@ -144,6 +144,14 @@ async fn events_route_token_prompts_to_their_holder_and_a_killed_publisher_falls
     );
 }
 
+/// `/admin/fleet` shows the first backend's KV event endpoint and mode.
+async fn admin_kv_events(c: &reqwest::Client, gw: &Proc) -> serde_json::Value {
+    let r = gateway_support::get_with(c, &gw.url("/admin/fleet"), &[("authorization", "Bearer t")])
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    r.json()["backends"][0]["kv_events"].clone()
+}
+
 /// A publisher in the test: sends what it is told, sequence numbers included.
 struct FakePublisher {
     socket: zeromq::PubSocket,
@@ -228,11 +236,17 @@ async fn a_sequence_gap_or_a_bad_batch_falls_back_until_the_stream_runs_clean() 
         &backend_flag("e", &engine, &publisher.endpoint),
         "--kv-events-probation",
         "0.3",
+        "--admin-token",
+        "t",
     ]);
     let c = client();
     let exact = |m: &str| series(m, "switchyard_kv_events_exact", "e") == 1.0;
     let mut seq = 0;
     publish_until(&mut publisher, &mut seq, &c, &gw, "trusted", exact).await;
+    assert_eq!(
+        admin_kv_events(&c, &gw).await,
+        json!({"endpoint": publisher.endpoint, "exact": true})
+    );
     let m = metrics(&c, &gw).await;
     assert_eq!(series(&m, "switchyard_kv_event_fallbacks_total", "e"), 0.0);
     assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 0.0);
@@ -271,6 +285,8 @@ async fn a_publisher_silent_while_its_engine_works_falls_back() {
         "0.3",
         "--kv-events-silence",
         "0.5",
+        "--admin-token",
+        "t",
     ]);
     let c = client();
     let exact = |m: &str| series(m, "switchyard_kv_events_exact", "e") == 1.0;
@@ -299,4 +315,6 @@ async fn a_publisher_silent_while_its_engine_works_falls_back() {
     .expect("silence is noticed");
     assert_eq!(series(&m, "switchyard_kv_events_exact", "e"), 0.0);
     assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 0.0);
+    // The publisher sends nothing more, so trust cannot come back: the router says so too.
+    assert_eq!(admin_kv_events(&c, &gw).await["exact"], false);
 }
