@@ -65,6 +65,13 @@ pub fn prepare(request: &RouteRequest<'_>, block_bytes: usize) -> PreparedPrompt
     }
 }
 
+/// What a request is matched on in the exact index: its token ids under its adapter.
+#[derive(Debug, Clone, Copy)]
+struct ExactKey<'a> {
+    tokens: &'a [u32],
+    adapter: Option<&'a str>,
+}
+
 /// What the router remembers about a request between `Routed` and its end.
 #[derive(Debug)]
 struct InFlight {
@@ -423,21 +430,18 @@ impl Router {
             .map(|id| chain_seed(request.model, None, Some(id)));
         let mark = session.and_then(|h| self.sessions.get(&h).copied());
         if uses_index {
-            self.apply_matches(
-                hashes,
-                &mut candidates,
-                prompt_tokens,
-                request.token_ids,
-                mark,
-            );
-            self.apply_matches(
-                hashes,
-                &mut decode_candidates,
-                prompt_tokens,
-                request.token_ids,
-                mark,
-            );
-            self.apply_matches(hashes, &mut local, prompt_tokens, request.token_ids, mark);
+            // Engines' events carry no cache salt, so a salted request is never matched
+            // exactly (its blocks are not the unsalted ones the events describe).
+            let exact = request
+                .token_ids
+                .filter(|_| request.cache_salt.is_none())
+                .map(|tokens| ExactKey {
+                    tokens,
+                    adapter: request.adapter,
+                });
+            self.apply_matches(hashes, &mut candidates, prompt_tokens, exact, mark);
+            self.apply_matches(hashes, &mut decode_candidates, prompt_tokens, exact, mark);
+            self.apply_matches(hashes, &mut local, prompt_tokens, exact, mark);
         } else {
             for c in candidates.iter_mut().chain(local.iter_mut()) {
                 c.terms.uncached_tokens = prompt_tokens;
@@ -624,7 +628,7 @@ impl Router {
         hashes: &[u64],
         candidates: &mut [Candidate],
         prompt_tokens: u32,
-        token_ids: Option<&[u32]>,
+        exact: Option<ExactKey<'_>>,
         session: Option<SessionMark>,
     ) {
         let block_bytes = self.config.index.block_bytes;
@@ -649,8 +653,8 @@ impl Router {
                 }
             }
             let mut cached = (bytes / self.bytes_per_token) as u32;
-            if let Some(tokens) = token_ids {
-                if let Some(exact) = self.exact.cached_tokens(c.instance.slot, tokens) {
+            if let Some(key) = exact {
+                if let Some(exact) = self.exact.cached_tokens(slot, key.tokens, key.adapter) {
                     cached = exact;
                 }
             }
