@@ -40,9 +40,23 @@ pub struct PreparedPrompt {
     block_bytes: usize,
     /// Chained block hashes, shared with the decision and its plans.
     hashes: Arc<[u64]>,
+    /// The prompt's token ids, when the driver tokenized it (used when the request has none).
+    token_ids: Option<Arc<[u32]>>,
 }
 
 impl PreparedPrompt {
+    /// Adds the prompt's token ids, from a tokenizer the driver ran outside the lock: exact
+    /// matching against instances that publish KV events then works for text prompts too.
+    pub fn with_token_ids(mut self, ids: Vec<u32>) -> Self {
+        self.token_ids = (!ids.is_empty()).then(|| ids.into());
+        self
+    }
+
+    /// The token ids added with [`PreparedPrompt::with_token_ids`].
+    pub fn token_ids(&self) -> Option<&[u32]> {
+        self.token_ids.as_deref()
+    }
+
     fn fits(&self, request: &RouteRequest<'_>, block_bytes: usize) -> bool {
         self.block_bytes == block_bytes
             && self.block_bytes > 0
@@ -62,6 +76,7 @@ pub fn prepare(request: &RouteRequest<'_>, block_bytes: usize) -> PreparedPrompt
         seed,
         block_bytes,
         hashes: hashes.into(),
+        token_ids: None,
     }
 }
 
@@ -299,6 +314,18 @@ impl Router {
         prepared: &PreparedPrompt,
         now: f64,
     ) -> Result<Decision, RouteError> {
+        // Token ids the driver's tokenizer found, when the request itself carries none.
+        let with_ids;
+        let request = match (request.token_ids, prepared.token_ids()) {
+            (None, Some(ids)) => {
+                with_ids = RouteRequest {
+                    token_ids: Some(ids),
+                    ..*request
+                };
+                &with_ids
+            }
+            _ => request,
+        };
         let pool_len = self.fleet.serving(request.model).len();
         if pool_len == 0 {
             return Err(RouteError::UnknownModel(request.model.to_string()));

@@ -121,3 +121,27 @@ fn salted_and_adapter_requests_are_not_matched_on_base_blocks() {
         "unsalted"
     );
 }
+
+#[test]
+fn token_ids_from_the_prepare_step_are_matched_exactly() {
+    let (mut router, _a, b) = fleet();
+    let tokens: Vec<u32> = (0..64).collect();
+    let text = "t ".repeat(64);
+    router
+        .observe(Observation::KvEvents(b, vec![stored(1, &tokens)]), 1.0)
+        .unwrap();
+    let mut ids = tokens.clone();
+    ids.push(7);
+    let request = RouteRequest::text("m", &text);
+    let plain = switchyard_core::prepare(&request, router.block_bytes());
+    let d = router.route_prepared(&request, &plain, 1.0).unwrap();
+    assert_eq!(
+        d.candidate(b).unwrap().terms.cached_tokens,
+        0,
+        "no ids: approximate"
+    );
+    let tokenized = plain.with_token_ids(ids);
+    let d = router.route_prepared(&request, &tokenized, 1.0).unwrap();
+    assert_eq!(d.candidate(b).unwrap().terms.cached_tokens, 64);
+    assert_eq!(d.prompt_tokens, 65, "counted from the ids");
+}
