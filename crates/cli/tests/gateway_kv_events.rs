@@ -151,7 +151,7 @@ async fn events_route_token_prompts_to_their_holder_and_a_killed_publisher_falls
     // Killing the publisher drops the connection: b falls back to the approximate index.
     let before = series(
         &metrics(&c, &gw).await,
-        "switchyard_kv_event_fallbacks_total",
+        "switchyard_kv_events_fallbacks_total",
         "b",
     );
     b.kill();
@@ -159,7 +159,7 @@ async fn events_route_token_prompts_to_their_holder_and_a_killed_publisher_falls
         let (c, gw) = (&c, &gw);
         async move {
             let m = metrics(c, gw).await;
-            (series(&m, "switchyard_kv_event_fallbacks_total", "b") > before).then_some(m)
+            (series(&m, "switchyard_kv_events_fallbacks_total", "b") > before).then_some(m)
         }
     })
     .await
@@ -276,29 +276,29 @@ async fn a_sequence_gap_or_a_bad_batch_falls_back_until_the_stream_runs_clean() 
         json!({"endpoint": publisher.endpoint, "exact": true})
     );
     let m = metrics(&c, &gw).await;
-    assert_eq!(series(&m, "switchyard_kv_event_fallbacks_total", "e"), 0.0);
-    assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 0.0);
+    assert_eq!(series(&m, "switchyard_kv_events_fallbacks_total", "e"), 0.0);
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "e"), 0.0);
 
     // Two messages never arrive.
     seq += 2;
-    let fell_back = |m: &str| series(m, "switchyard_kv_event_fallbacks_total", "e") == 1.0;
+    let fell_back = |m: &str| series(m, "switchyard_kv_events_fallbacks_total", "e") == 1.0;
     publish_until(&mut publisher, &mut seq, &c, &gw, "gap", fell_back).await;
     let m = metrics(&c, &gw).await;
-    assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 1.0);
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "e"), 1.0);
     // Clean batches earn trust back after the probation.
     publish_until(&mut publisher, &mut seq, &c, &gw, "trusted again", exact).await;
 
     // A batch that does not decode is a loss too.
     publisher.send(seq, vec![0xc1]).await;
     seq += 1;
-    let twice = |m: &str| series(m, "switchyard_kv_event_fallbacks_total", "e") == 2.0;
+    let twice = |m: &str| series(m, "switchyard_kv_events_fallbacks_total", "e") == 2.0;
     publish_until(&mut publisher, &mut seq, &c, &gw, "bad batch", twice).await;
     let m = metrics(&c, &gw).await;
     assert_eq!(
-        series(&m, "switchyard_kv_event_decode_errors_total", "e"),
+        series(&m, "switchyard_kv_events_decode_errors_total", "e"),
         1.0
     );
-    assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 1.0);
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "e"), 1.0);
     publish_until(&mut publisher, &mut seq, &c, &gw, "trusted at last", exact).await;
 }
 
@@ -336,13 +336,13 @@ async fn a_publisher_silent_while_its_engine_works_falls_back() {
             .await;
             assert_eq!(r.status, 200, "{}", r.text);
             let m = metrics(c, gw).await;
-            (series(&m, "switchyard_kv_event_fallbacks_total", "e") == 1.0).then_some(m)
+            (series(&m, "switchyard_kv_events_fallbacks_total", "e") == 1.0).then_some(m)
         }
     })
     .await
     .expect("silence is noticed");
     assert_eq!(series(&m, "switchyard_kv_events_exact", "e"), 0.0);
-    assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 0.0);
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "e"), 0.0);
     // The publisher sends nothing more, so trust cannot come back: the router says so too.
     assert_eq!(admin_kv_events(&c, &gw).await["exact"], false);
 }
