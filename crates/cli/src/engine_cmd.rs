@@ -107,6 +107,10 @@ pub struct EngineArgs {
     /// msgpack layout of KV events.
     #[arg(long, value_enum, default_value_t = KvFormatArg::Array)]
     pub kv_events_format: KvFormatArg,
+    /// Write the emulator's vocabulary as a Hugging Face tokenizer.json to FILE before serving
+    /// (for the gateway's --tokenizer: prompts made of its words tokenize alike).
+    #[arg(long, value_name = "FILE")]
+    pub write_tokenizer: Option<PathBuf>,
     /// Engine id reported in KV hand-offs (default derived from port and pid).
     #[arg(long)]
     pub engine_id: Option<String>,
@@ -233,6 +237,10 @@ pub fn emulator_config(args: &EngineArgs) -> Result<EmulatorConfig> {
 /// Run `switchyard engine`.
 pub fn run(args: EngineArgs) -> Result<()> {
     let cfg = emulator_config(&args)?;
+    if let Some(path) = &args.write_tokenizer {
+        std::fs::write(path, switchyard_emulator::tokenizer_json::tokenizer_json())
+            .with_context(|| format!("--write-tokenizer {}", path.display()))?;
+    }
     if args.fidelity {
         return switchyard_emulator::block_on(run_fidelity(
             cfg,

@@ -95,6 +95,11 @@ pub struct FleetArgs {
     /// backend is matched exactly again.
     #[arg(long, default_value = "5", value_parser = parse_secs)]
     pub kv_events_probation: Duration,
+    /// A Hugging Face tokenizer.json for a served base model, MODEL=PATH (repeatable): text
+    /// prompts of /v1/completions for MODEL are tokenized (outside the router lock) so backends
+    /// with kv_events= are matched exactly. Nothing is downloaded.
+    #[arg(long = "tokenizer", value_name = "MODEL=PATH")]
+    pub tokenizers: Vec<String>,
     /// Seconds in-flight responses may take to finish after SIGINT/SIGTERM, or a removed
     /// backend to drain.
     #[arg(long, default_value = "30", value_parser = parse_secs)]
@@ -171,6 +176,16 @@ impl FleetArgs {
             probe_timeout: self.probe_timeout,
             kv_events_silence: self.kv_events_silence,
             kv_events_probation: self.kv_events_probation,
+            tokenizers: self
+                .tokenizers
+                .iter()
+                .map(|t| match t.split_once('=') {
+                    Some((model, path)) if !model.is_empty() && !path.is_empty() => {
+                        Ok((model.to_string(), PathBuf::from(path)))
+                    }
+                    _ => Err(anyhow!("--tokenizer `{t}`: expected MODEL=PATH")),
+                })
+                .collect::<Result<_>>()?,
             queue_size: self.queue_size,
             queue_timeout: self.queue_timeout,
             drain_timeout: self.drain_timeout,

@@ -65,19 +65,73 @@ async fn until_exact(c: &reqwest::Client, gw: &Proc, emu: &Emulator, backend: &s
     assert!(series(&exact, "switchyard_kv_events_received_total", backend) > 0.0);
 }
 
+/// A gateway over backends `a` and `b` subscribed to their emulators' events, with the
+/// decision header and a short probation.
+fn exact_gateway(a: &Emulator, b: &Emulator, extra: &[&str]) -> Proc {
+    let backend_a = backend_flag("a", a, a.kv_endpoint.as_deref().unwrap());
+    let backend_b = backend_flag("b", b, b.kv_endpoint.as_deref().unwrap());
+    let mut args = vec![
+        "--backend",
+        &backend_a,
+        "--backend",
+        &backend_b,
+        "--debug-header",
+        "--kv-events-probation",
+        "0.3",
+    ];
+    args.extend_from_slice(extra);
+    gateway(&args)
+}
+
+/// Sends `held` straight to `holder`'s engine, waits until its events reach the gateway (a
+/// request routed before would teach the approximate index instead), then sends `asked`
+/// through the gateway and checks it went to `holder`. Returns the decision header and the
+/// cached tokens the engine reported.
+async fn seed_then_route(
+    c: &reqwest::Client,
+    gw: &Proc,
+    (holder, emu): (&str, &Emulator),
+    held: serde_json::Value,
+    asked: serde_json::Value,
+) -> (String, u64) {
+    let received = |m: &str| series(m, "switchyard_kv_events_received_total", holder);
+    let before = received(&metrics(c, gw).await);
+    let (status, _) = engine_support::post_json(
+        c,
+        &emu.url("/v1/completions"),
+        &json!({"model": MODEL, "prompt": held, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    poll(Duration::from_secs(10), || async {
+        (received(&metrics(c, gw).await) > before).then_some(())
+    })
+    .await
+    .expect("the seed's events arrive");
+    let r = post(
+        c,
+        &gw.url("/v1/completions"),
+        &json!({"model": MODEL, "prompt": asked, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let decision = r.header("x-switchyard-decision").unwrap_or_default();
+    assert_eq!(
+        r.header("x-switchyard-backend").as_deref(),
+        Some(holder),
+        "{decision}"
+    );
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("usage with cached tokens");
+    (decision, cached)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_route_token_prompts_to_their_holder_and_a_killed_publisher_falls_back() {
     let a = Emulator::start_publishing(MODEL);
     let mut b = Emulator::start_publishing(MODEL);
-    let gw = gateway(&[
-        "--backend",
-        &backend_flag("a", &a, a.kv_endpoint.as_deref().unwrap()),
-        "--backend",
-        &backend_flag("b", &b, b.kv_endpoint.as_deref().unwrap()),
-        "--debug-header",
-        "--kv-events-probation",
-        "0.3",
-    ]);
+    let gw = exact_gateway(&a, &b, &[]);
     let c = client();
     until_exact(&c, &gw, &a, "a", 1).await;
     until_exact(&c, &gw, &b, "b", 2).await;
@@ -85,45 +139,19 @@ async fn events_route_token_prompts_to_their_holder_and_a_killed_publisher_falls
     // A prompt only one engine holds, learned from its events alone, draws the request there,
     // and the decision shows the exact cached tokens (3 blocks of 16 of the 48 seeded).
     for round in 0..6u32 {
-        let (holder, emu) = if round % 2 == 0 { ("a", &a) } else { ("b", &b) };
-        let received = |m: &str| series(m, "switchyard_kv_events_received_total", holder);
-        let before = received(&metrics(&c, &gw).await);
+        let holder = if round % 2 == 0 { ("a", &a) } else { ("b", &b) };
         let held = tokens(50 + round, 48);
-        seed(&c, emu, &held).await;
-        // The seed's events reach the gateway on their own time: route once they have.
-        poll(Duration::from_secs(10), || {
-            let (c, gw) = (&c, &gw);
-            async move { (received(&metrics(c, gw).await) > before).then_some(()) }
-        })
-        .await
-        .expect("the seed's events arrive");
         let mut asked = held.clone();
         asked.extend(tokens(90 + round, 20));
-        let r = post(
-            &c,
-            &gw.url("/v1/completions"),
-            &json!({"model": MODEL, "prompt": asked, "max_tokens": 1}),
-        )
-        .await;
-        assert_eq!(r.status, 200, "{}", r.text);
-        let decision = r.header("x-switchyard-decision").unwrap_or_default();
-        assert_eq!(
-            r.header("x-switchyard-backend").as_deref(),
-            Some(holder),
-            "round {round}: {decision}"
-        );
+        let (decision, cached) = seed_then_route(&c, &gw, holder, json!(held), json!(asked)).await;
         assert!(decision.contains("cached=48"), "round {round}: {decision}");
-        assert_eq!(
-            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
-            48,
-            "the engine confirms it held the prompt"
-        );
+        assert_eq!(cached, 48, "the engine confirms it held the prompt");
     }
 
     // Killing the publisher drops the connection: b falls back to the approximate index.
     let before = series(
         &metrics(&c, &gw).await,
-        "switchyard_kv_event_fallbacks_total",
+        "switchyard_kv_events_fallbacks_total",
         "b",
     );
     b.kill();
@@ -131,7 +159,7 @@ async fn events_route_token_prompts_to_their_holder_and_a_killed_publisher_falls
         let (c, gw) = (&c, &gw);
         async move {
             let m = metrics(c, gw).await;
-            (series(&m, "switchyard_kv_event_fallbacks_total", "b") > before).then_some(m)
+            (series(&m, "switchyard_kv_events_fallbacks_total", "b") > before).then_some(m)
         }
     })
     .await
@@ -142,6 +170,14 @@ async fn events_route_token_prompts_to_their_holder_and_a_killed_publisher_falls
         1.0,
         "a is untouched"
     );
+}
+
+/// `/admin/fleet` shows the first backend's KV event endpoint and mode.
+async fn admin_kv_events(c: &reqwest::Client, gw: &Proc) -> serde_json::Value {
+    let r = gateway_support::get_with(c, &gw.url("/admin/fleet"), &[("authorization", "Bearer t")])
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    r.json()["backends"][0]["kv_events"].clone()
 }
 
 /// A publisher in the test: sends what it is told, sequence numbers included.
@@ -228,34 +264,149 @@ async fn a_sequence_gap_or_a_bad_batch_falls_back_until_the_stream_runs_clean() 
         &backend_flag("e", &engine, &publisher.endpoint),
         "--kv-events-probation",
         "0.3",
+        "--admin-token",
+        "t",
     ]);
     let c = client();
     let exact = |m: &str| series(m, "switchyard_kv_events_exact", "e") == 1.0;
     let mut seq = 0;
     publish_until(&mut publisher, &mut seq, &c, &gw, "trusted", exact).await;
+    assert_eq!(
+        admin_kv_events(&c, &gw).await,
+        json!({"endpoint": publisher.endpoint, "exact": true})
+    );
     let m = metrics(&c, &gw).await;
-    assert_eq!(series(&m, "switchyard_kv_event_fallbacks_total", "e"), 0.0);
-    assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 0.0);
+    assert_eq!(series(&m, "switchyard_kv_events_fallbacks_total", "e"), 0.0);
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "e"), 0.0);
 
     // Two messages never arrive.
     seq += 2;
-    let fell_back = |m: &str| series(m, "switchyard_kv_event_fallbacks_total", "e") == 1.0;
+    let fell_back = |m: &str| series(m, "switchyard_kv_events_fallbacks_total", "e") == 1.0;
     publish_until(&mut publisher, &mut seq, &c, &gw, "gap", fell_back).await;
     let m = metrics(&c, &gw).await;
-    assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 1.0);
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "e"), 1.0);
     // Clean batches earn trust back after the probation.
     publish_until(&mut publisher, &mut seq, &c, &gw, "trusted again", exact).await;
 
     // A batch that does not decode is a loss too.
     publisher.send(seq, vec![0xc1]).await;
     seq += 1;
-    let twice = |m: &str| series(m, "switchyard_kv_event_fallbacks_total", "e") == 2.0;
+    let twice = |m: &str| series(m, "switchyard_kv_events_fallbacks_total", "e") == 2.0;
     publish_until(&mut publisher, &mut seq, &c, &gw, "bad batch", twice).await;
     let m = metrics(&c, &gw).await;
     assert_eq!(
-        series(&m, "switchyard_kv_event_decode_errors_total", "e"),
+        series(&m, "switchyard_kv_events_decode_errors_total", "e"),
         1.0
     );
-    assert_eq!(series(&m, "switchyard_kv_event_gaps_total", "e"), 1.0);
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "e"), 1.0);
     publish_until(&mut publisher, &mut seq, &c, &gw, "trusted at last", exact).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_silent_while_its_engine_works_falls_back() {
+    let engine = Emulator::start(&["--model", MODEL, "--speed", "100"]);
+    let mut publisher = FakePublisher::bind().await;
+    let gw = gateway(&[
+        "--backend",
+        &backend_flag("e", &engine, &publisher.endpoint),
+        "--kv-events-probation",
+        "0.3",
+        "--kv-events-silence",
+        "0.5",
+        "--admin-token",
+        "t",
+    ]);
+    let c = client();
+    let exact = |m: &str| series(m, "switchyard_kv_events_exact", "e") == 1.0;
+    let mut seq = 0;
+    publish_until(&mut publisher, &mut seq, &c, &gw, "trusted", exact).await;
+
+    // The publisher says nothing more while the engine computes fresh prompts: blocks it must
+    // have stored go unreported, so the view is not to be trusted.
+    let mut n = 0;
+    let m = poll(Duration::from_secs(20), || {
+        n += 1;
+        let (c, gw) = (&c, &gw);
+        async move {
+            let r = post(
+                c,
+                &gw.url("/v1/completions"),
+                &json!({"model": MODEL, "prompt": tokens(n, 80), "max_tokens": 1}),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", r.text);
+            let m = metrics(c, gw).await;
+            (series(&m, "switchyard_kv_events_fallbacks_total", "e") == 1.0).then_some(m)
+        }
+    })
+    .await
+    .expect("silence is noticed");
+    assert_eq!(series(&m, "switchyard_kv_events_exact", "e"), 0.0);
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "e"), 0.0);
+    // The publisher sends nothing more, so trust cannot come back: the router says so too.
+    assert_eq!(admin_kv_events(&c, &gw).await["exact"], false);
+}
+
+/// Text of `len` vocabulary words (one token each) picked by `seed`.
+fn words(seed: u32, len: u32) -> String {
+    let vocab: Vec<&str> = switchyard_emulator::engine::tokenizer::vocabulary()
+        .map(|(w, _)| w)
+        .collect();
+    (0..len)
+        .map(|i| vocab[((seed.wrapping_mul(2654435761) ^ i.wrapping_mul(40503)) % 64) as usize])
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_prompts_tokenized_by_the_gateway_predict_cached_tokens_to_the_token() {
+    let dir = std::env::temp_dir().join(format!("switchyard-kv-tok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokenizer = dir.join("tokenizer.json");
+    let tokenizer = tokenizer.to_str().unwrap();
+    let a = Emulator::start_publishing(MODEL);
+    let b = Emulator::start(&[
+        "--model",
+        MODEL,
+        "--speed",
+        "100",
+        "--kv-events-endpoint",
+        "tcp://127.0.0.1:0",
+        "--kv-events-bind",
+        "--write-tokenizer",
+        tokenizer,
+    ]);
+    let tokenizer_flag = format!("{MODEL}={tokenizer}");
+    let gw = exact_gateway(&a, &b, &["--tokenizer", &tokenizer_flag]);
+    let c = client();
+    until_exact(&c, &gw, &a, "a", 3).await;
+    until_exact(&c, &gw, &b, "b", 4).await;
+
+    for round in 0..6u32 {
+        let holder = if round % 2 == 0 { ("a", &a) } else { ("b", &b) };
+        // Lengths off the block size: the engine holds whole blocks only.
+        let held = words(100 + round, 37 + 5 * round);
+        let asked = format!("{held}{}", words(200 + round, 20));
+        let (decision, reported) =
+            seed_then_route(&c, &gw, holder, json!(held), json!(asked)).await;
+        assert_eq!(
+            reported,
+            u64::from((37 + 5 * round) / 16 * 16),
+            "whole blocks"
+        );
+        assert!(
+            decision.contains(&format!("cached={reported} ")),
+            "round {round}: the engine reported {reported}: {decision}"
+        );
+    }
+    // Every request's prediction was the engine's report, to the token.
+    let m = metrics(&c, &gw).await;
+    for backend in ["a", "b"] {
+        let predicted = series(&m, "switchyard_predicted_cached_tokens_total", backend);
+        assert!(predicted > 0.0);
+        assert_eq!(
+            predicted,
+            series(&m, "switchyard_reported_cached_tokens_total", backend),
+            "{backend}"
+        );
+    }
 }

@@ -107,15 +107,21 @@ impl ExactIndex {
         self.block_size.contains_key(&slot) && !self.untrusted.contains(&slot)
     }
 
-    /// Cached prompt tokens on `slot` for a base-model request with these token ids, if the
-    /// instance publishes events (None otherwise: fall back to the approximate index).
-    pub fn cached_tokens(&mut self, slot: Slot, tokens: &[u32]) -> Option<u32> {
+    /// Cached prompt tokens on `slot` for a request with these token ids on `adapter` (blocks
+    /// an adapter computed are its own), if the instance publishes trusted events (None
+    /// otherwise: fall back to the approximate index).
+    pub fn cached_tokens(
+        &mut self,
+        slot: Slot,
+        tokens: &[u32],
+        adapter: Option<&str>,
+    ) -> Option<u32> {
         if self.untrusted.contains(&slot) {
             return None;
         }
         let size = *self.block_size.get(&slot)?;
         self.scratch.clear();
-        token_block_hashes(tokens, seed(None), size as usize, &mut self.scratch);
+        token_block_hashes(tokens, seed(adapter), size as usize, &mut self.scratch);
         let chain = std::mem::take(&mut self.scratch);
         self.index.lookup_consecutive(&chain, &mut self.matches);
         self.scratch = chain;
@@ -146,7 +152,7 @@ mod tests {
     fn stored_blocks_match_by_tokens_and_removal_cuts_the_run() {
         let mut exact = ExactIndex::default();
         assert_eq!(
-            exact.cached_tokens(0, &[1, 2, 3, 4]),
+            exact.cached_tokens(0, &[1, 2, 3, 4], None),
             None,
             "not publishing yet"
         );
@@ -157,8 +163,11 @@ mod tests {
                 stored(&[102], Some(101), &[5, 6]),
             ],
         );
-        assert_eq!(exact.cached_tokens(0, &[1, 2, 3, 4, 5, 6, 7]), Some(6));
-        assert_eq!(exact.cached_tokens(0, &[1, 2, 9, 9]), Some(2));
+        assert_eq!(
+            exact.cached_tokens(0, &[1, 2, 3, 4, 5, 6, 7], None),
+            Some(6)
+        );
+        assert_eq!(exact.cached_tokens(0, &[1, 2, 9, 9], None), Some(2));
         exact.apply(
             0,
             &[KvEvent::Removed {
@@ -166,12 +175,12 @@ mod tests {
             }],
         );
         assert_eq!(
-            exact.cached_tokens(0, &[1, 2, 3, 4, 5, 6]),
+            exact.cached_tokens(0, &[1, 2, 3, 4, 5, 6], None),
             Some(2),
             "a hole ends the run"
         );
         exact.apply(0, &[KvEvent::AllCleared]);
-        assert_eq!(exact.cached_tokens(0, &[1, 2]), Some(0));
+        assert_eq!(exact.cached_tokens(0, &[1, 2], None), Some(0));
     }
 
     #[test]
@@ -182,31 +191,53 @@ mod tests {
         assert!(exact.is_exact(0));
         exact.lose(0);
         assert!(!exact.is_exact(0));
-        assert_eq!(exact.cached_tokens(0, &[1, 2, 3, 4]), None, "approximate");
-        assert_eq!(exact.cached_tokens(1, &[1, 2]), Some(2), "others untouched");
+        assert_eq!(
+            exact.cached_tokens(0, &[1, 2, 3, 4], None),
+            None,
+            "approximate"
+        );
+        assert_eq!(
+            exact.cached_tokens(1, &[1, 2], None),
+            Some(2),
+            "others untouched"
+        );
         // Events during the fallback rebuild the view; the old blocks are gone.
         exact.apply(0, &[stored(&[300], None, &[9, 9])]);
-        assert_eq!(exact.cached_tokens(0, &[9, 9]), None);
+        assert_eq!(exact.cached_tokens(0, &[9, 9], None), None);
         exact.trust(0);
         assert!(exact.is_exact(0));
-        assert_eq!(exact.cached_tokens(0, &[9, 9]), Some(2));
+        assert_eq!(exact.cached_tokens(0, &[9, 9], None), Some(2));
         assert_eq!(
-            exact.cached_tokens(0, &[1, 2, 3, 4]),
+            exact.cached_tokens(0, &[1, 2, 3, 4], None),
             Some(0),
             "dropped at the loss"
         );
         exact.forget_slot(0);
         assert_eq!(
-            exact.cached_tokens(0, &[9, 9]),
+            exact.cached_tokens(0, &[9, 9], None),
             None,
             "a reused slot starts blind"
         );
     }
 
     #[test]
+    fn an_adapters_blocks_match_only_its_requests() {
+        let mut exact = ExactIndex::default();
+        let mut lora = stored(&[1], None, &[1, 2]);
+        if let KvEvent::Stored { lora_name, .. } = &mut lora {
+            *lora_name = Some("sql".into());
+        }
+        exact.apply(0, &[lora, stored(&[2], None, &[3, 4])]);
+        assert_eq!(exact.cached_tokens(0, &[1, 2], Some("sql")), Some(2));
+        assert_eq!(exact.cached_tokens(0, &[1, 2], None), Some(0));
+        assert_eq!(exact.cached_tokens(0, &[3, 4], Some("sql")), Some(0));
+        assert_eq!(exact.cached_tokens(0, &[3, 4], None), Some(2));
+    }
+
+    #[test]
     fn a_chain_with_an_unknown_parent_is_skipped() {
         let mut exact = ExactIndex::default();
         exact.apply(0, &[stored(&[7], Some(999), &[1, 2])]);
-        assert_eq!(exact.cached_tokens(0, &[1, 2]), Some(0));
+        assert_eq!(exact.cached_tokens(0, &[1, 2], None), Some(0));
     }
 }

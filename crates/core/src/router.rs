@@ -42,9 +42,23 @@ pub struct PreparedPrompt {
     block_bytes: usize,
     /// Chained block hashes, shared with the decision and its plans.
     hashes: Arc<[u64]>,
+    /// The prompt's token ids, when the driver tokenized it (used when the request has none).
+    token_ids: Option<Arc<[u32]>>,
 }
 
 impl PreparedPrompt {
+    /// Adds the prompt's token ids, from a tokenizer the driver ran outside the lock: exact
+    /// matching against instances that publish KV events then works for text prompts too.
+    pub fn with_token_ids(mut self, ids: Vec<u32>) -> Self {
+        self.token_ids = (!ids.is_empty()).then(|| ids.into());
+        self
+    }
+
+    /// The token ids added with [`PreparedPrompt::with_token_ids`].
+    pub fn token_ids(&self) -> Option<&[u32]> {
+        self.token_ids.as_deref()
+    }
+
     fn fits(&self, request: &RouteRequest<'_>, block_bytes: usize) -> bool {
         self.block_bytes == block_bytes
             && self.block_bytes > 0
@@ -64,7 +78,15 @@ pub fn prepare(request: &RouteRequest<'_>, block_bytes: usize) -> PreparedPrompt
         seed,
         block_bytes,
         hashes: hashes.into(),
+        token_ids: None,
     }
+}
+
+/// What a request is matched on in the exact index: its token ids under its adapter.
+#[derive(Debug, Clone, Copy)]
+struct ExactKey<'a> {
+    tokens: &'a [u32],
+    adapter: Option<&'a str>,
 }
 
 /// What the router remembers about a request between `Routed` and its end.
@@ -308,6 +330,18 @@ impl Router {
         prepared: &PreparedPrompt,
         now: f64,
     ) -> Result<Decision, RouteError> {
+        // Token ids the driver's tokenizer found, when the request itself carries none.
+        let with_ids;
+        let request = match (request.token_ids, prepared.token_ids()) {
+            (None, Some(ids)) => {
+                with_ids = RouteRequest {
+                    token_ids: Some(ids),
+                    ..*request
+                };
+                &with_ids
+            }
+            _ => request,
+        };
         let pool_len = self.fleet.serving(request.model).len();
         if pool_len == 0 {
             return Err(RouteError::UnknownModel(request.model.to_string()));
@@ -439,21 +473,18 @@ impl Router {
             .map(|id| chain_seed(request.model, None, Some(id)));
         let mark = session.and_then(|h| self.sessions.get(&h).copied());
         if uses_index {
-            self.apply_matches(
-                hashes,
-                &mut candidates,
-                prompt_tokens,
-                request.token_ids,
-                mark,
-            );
-            self.apply_matches(
-                hashes,
-                &mut decode_candidates,
-                prompt_tokens,
-                request.token_ids,
-                mark,
-            );
-            self.apply_matches(hashes, &mut local, prompt_tokens, request.token_ids, mark);
+            // Engines' events carry no cache salt, so a salted request is never matched
+            // exactly (its blocks are not the unsalted ones the events describe).
+            let exact = request
+                .token_ids
+                .filter(|_| request.cache_salt.is_none())
+                .map(|tokens| ExactKey {
+                    tokens,
+                    adapter: request.adapter,
+                });
+            self.apply_matches(hashes, &mut candidates, prompt_tokens, exact, mark);
+            self.apply_matches(hashes, &mut decode_candidates, prompt_tokens, exact, mark);
+            self.apply_matches(hashes, &mut local, prompt_tokens, exact, mark);
         } else {
             for c in candidates.iter_mut().chain(local.iter_mut()) {
                 c.terms.uncached_tokens = prompt_tokens;
@@ -640,7 +671,7 @@ impl Router {
         hashes: &[u64],
         candidates: &mut [Candidate],
         prompt_tokens: u32,
-        token_ids: Option<&[u32]>,
+        exact: Option<ExactKey<'_>>,
         session: Option<SessionMark>,
     ) {
         let block_bytes = self.config.index.block_bytes;
@@ -665,8 +696,8 @@ impl Router {
                 }
             }
             let mut cached = (bytes / self.bytes_per_token) as u32;
-            if let Some(tokens) = token_ids {
-                if let Some(exact) = self.exact.cached_tokens(c.instance.slot, tokens) {
+            if let Some(key) = exact {
+                if let Some(exact) = self.exact.cached_tokens(slot, key.tokens, key.adapter) {
                     cached = exact;
                 }
             }

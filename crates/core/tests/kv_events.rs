@@ -94,3 +94,54 @@ fn a_removed_publisher_leaves_no_exact_mode_to_its_slot() {
     assert_eq!(c.slot, b.slot, "the slot is reused");
     assert!(!router.is_exact(c), "the newcomer publishes nothing yet");
 }
+
+#[test]
+fn salted_and_adapter_requests_are_not_matched_on_base_blocks() {
+    let (mut router, _a, b) = fleet();
+    let tokens: Vec<u32> = (0..64).collect();
+    let text = "t ".repeat(64);
+    router
+        .observe(Observation::KvEvents(b, vec![stored(1, &tokens)]), 1.0)
+        .unwrap();
+    let mut longer = tokens.clone();
+    longer.push(7);
+    let mut salted = RouteRequest::text("m", &text);
+    salted.token_ids = Some(&longer);
+    salted.cache_salt = Some("tenant-1");
+    let d = router.route(&salted, 1.0).unwrap();
+    assert_eq!(
+        d.candidate(b).unwrap().terms.cached_tokens,
+        0,
+        "{}",
+        d.explain(2)
+    );
+    assert_eq!(
+        cached_on(&mut router, b, &text, &longer, 1.0),
+        64,
+        "unsalted"
+    );
+}
+
+#[test]
+fn token_ids_from_the_prepare_step_are_matched_exactly() {
+    let (mut router, _a, b) = fleet();
+    let tokens: Vec<u32> = (0..64).collect();
+    let text = "t ".repeat(64);
+    router
+        .observe(Observation::KvEvents(b, vec![stored(1, &tokens)]), 1.0)
+        .unwrap();
+    let mut ids = tokens.clone();
+    ids.push(7);
+    let request = RouteRequest::text("m", &text);
+    let plain = switchyard_core::prepare(&request, router.block_bytes());
+    let d = router.route_prepared(&request, &plain, 1.0).unwrap();
+    assert_eq!(
+        d.candidate(b).unwrap().terms.cached_tokens,
+        0,
+        "no ids: approximate"
+    );
+    let tokenized = plain.with_token_ids(ids);
+    let d = router.route_prepared(&request, &tokenized, 1.0).unwrap();
+    assert_eq!(d.candidate(b).unwrap().terms.cached_tokens, 64);
+    assert_eq!(d.prompt_tokens, 65, "counted from the ids");
+}

@@ -35,6 +35,7 @@ pub mod server;
 pub mod sglang;
 pub mod sse;
 pub mod state;
+pub mod tokenizer_json;
 
 pub use server::{start, EmulatorConfig, RunningServer, ServerError};
 

@@ -34,6 +34,13 @@ const VOCAB_IDS: [u32; 64] = {
     ids
 };
 
+/// The vocabulary generated output is drawn from: each word (4 bytes) with its token id.
+/// Text made of these words tokenizes to their ids (what a tokenizer.json of this vocabulary
+/// reproduces, see the emulator's `tokenizer_json`).
+pub fn vocabulary() -> impl Iterator<Item = (&'static str, u32)> {
+    VOCAB.iter().copied().zip(VOCAB_IDS)
+}
+
 /// Tokenize `text`: one token per 4-byte chunk, the last partial chunk zero-padded.
 pub fn encode(text: &str) -> Vec<u32> {
     let bytes = text.as_bytes();

@@ -1,5 +1,7 @@
-//! Cost of decoding one KV event batch as vLLM publishes it (`kv_events::wire`), per layout:
-//! one engine step's `BlockStored` of 16 blocks of 16 tokens plus a `BlockRemoved` of 16 blocks.
+//! Cost of the exact index's inputs: decoding one KV event batch as vLLM publishes it
+//! (`kv_events::wire`), per layout (one engine step's `BlockStored` of 16 blocks of 16 tokens
+//! plus a `BlockRemoved` of 16 blocks), and tokenizing a 1,000-token text prompt with the
+//! emulator's tokenizer.json (`tokenize`).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use switchyard_emulator::kv_events::{encode_batch, Format, WireEvent};
@@ -42,5 +44,24 @@ fn batches(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, batches);
+fn tokenize(c: &mut Criterion) {
+    let path =
+        std::env::temp_dir().join(format!("switchyard-bench-tok-{}.json", std::process::id()));
+    std::fs::write(&path, switchyard_emulator::tokenizer_json::tokenizer_json()).unwrap();
+    let files = std::collections::BTreeMap::from([("m".to_string(), path)]);
+    let tokenizers = switchyard_gateway::tokenize::Tokenizers::load(&files).unwrap();
+    let words: Vec<&str> = switchyard_engine::tokenizer::vocabulary()
+        .map(|(w, _)| w)
+        .collect();
+    let text: String = (0..1000).map(|i| words[(i * 7) % words.len()]).collect();
+    c.bench_function("tokenize_1000_tokens", |b| {
+        b.iter(|| {
+            tokenizers
+                .token_ids("m", std::hint::black_box(&text))
+                .map(|ids| ids.len())
+        })
+    });
+}
+
+criterion_group!(benches, batches, tokenize);
 criterion_main!(benches);

@@ -82,6 +82,11 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
             "router_load": load,
             "engine": engine,
             "learned": router.learned(b.id),
+            // With `kv_events=`: whether the router matches it exactly from its events now.
+            "kv_events": b.spec.kv_events.as_ref().map(|endpoint| json!({
+                "endpoint": endpoint,
+                "exact": router.is_exact(b.id),
+            })),
         }));
     }
     let pending: Vec<&String> = registry.pending.keys().collect();

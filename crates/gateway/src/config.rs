@@ -82,6 +82,9 @@ pub struct Settings {
     /// KV events: how long a (re)subscribed stream must run clean, with events, before the
     /// router matches its backend exactly again.
     pub kv_events_probation: Duration,
+    /// Hugging Face tokenizer.json per served base model (`--tokenizer MODEL=PATH`): text
+    /// prompts for it are tokenized for exact matching.
+    pub tokenizers: BTreeMap<String, PathBuf>,
 }
 
 impl Default for Settings {
@@ -119,6 +122,7 @@ impl Default for Settings {
             strict_models: false,
             kv_events_silence: Duration::from_secs(10),
             kv_events_probation: Duration::from_secs(5),
+            tokenizers: BTreeMap::new(),
         }
     }
 }

@@ -10,7 +10,8 @@
 //! * backends are described in [`backends`] and [`config`], join and leave in [`membership`]
 //!   (models found by [`discovery`], fleet file reloads in [`watch`]);
 //! * engines are scraped in [`scrape`] (Prometheus text parsed by [`promtext`]) and checked in
-//!   [`health`]; their KV events are subscribed to in [`kv_events`]; LoRA adapters are loaded and unloaded by demand in [`adapter_loader`];
+//!   [`health`]; their KV events are subscribed to in [`kv_events`]; text prompts are
+//!   tokenized for exact matching in [`tokenize`]; LoRA adapters are loaded and unloaded by demand in [`adapter_loader`];
 //! * a request's `model` is resolved (aliases, adapters, the single-model fallback) in
 //!   `switchyard_core::models`;
 //! * HTTP routes are in [`server`] and [`admin`], errors in [`error`], the gateway's own
@@ -42,6 +43,7 @@ pub mod scrape;
 pub mod server;
 pub mod state;
 pub mod stream;
+pub mod tokenize;
 pub mod upstream;
 pub mod watch;
 
@@ -126,7 +128,9 @@ pub fn launch(settings: Settings) -> Result<Fleet, GatewayError> {
     let mut all: Vec<BackendSpec> = settings.backends.clone();
     all.extend(file.iter().flat_map(|f| f.backends.iter().cloned()));
     backends::check_unique(&all).map_err(|e| GatewayError::Config(e.to_string()))?;
-    let gw = Gateway::new(settings, router);
+    let tokenizers = tokenize::Tokenizers::load(&settings.tokenizers)
+        .map_err(|e| GatewayError::Config(e.to_string()))?;
+    let gw = Gateway::with_tokenizers(settings, router, tokenizers);
     gw.registry.lock().set_aliases(aliases);
     for spec in gw.settings.backends.clone() {
         membership::add(&gw, spec);

@@ -357,17 +357,17 @@ impl Metrics {
                 &kv_events.received,
             ),
             (
-                "switchyard_kv_event_gaps",
+                "switchyard_kv_events_gaps",
                 "KV event messages lost: sequence numbers skipped in a backend's stream",
                 &kv_events.gaps,
             ),
             (
-                "switchyard_kv_event_decode_errors",
+                "switchyard_kv_events_decode_errors",
                 "KV event messages that could not be decoded (dropped and handled as lost)",
                 &kv_events.decode_errors,
             ),
             (
-                "switchyard_kv_event_fallbacks",
+                "switchyard_kv_events_fallbacks",
                 "Episodes of a backend's KV events becoming untrusted (gap, silence, lag, disconnection): its exact index is dropped and the approximate one used",
                 &kv_events.fallbacks,
             ),

@@ -265,6 +265,8 @@ pub struct Gateway {
     pub admission: Admission,
     /// The router's index block size, for preparing prompts outside the lock.
     pub block_bytes: usize,
+    /// Tokenizers by model (`--tokenizer`), run in the prepare step, outside the lock.
+    pub tokenizers: crate::tokenize::Tokenizers,
     started: Instant,
     started_unix: u64,
     next_request: AtomicU64,
@@ -275,6 +277,16 @@ pub struct Gateway {
 impl Gateway {
     /// A gateway with an empty fleet.
     pub fn new(settings: Settings, router: Router) -> Arc<Self> {
+        Self::with_tokenizers(settings, router, Default::default())
+    }
+
+    /// A gateway with an empty fleet and these tokenizers (loaded from `settings.tokenizers`
+    /// by the caller, which reports a file that does not load).
+    pub fn with_tokenizers(
+        settings: Settings,
+        router: Router,
+        tokenizers: crate::tokenize::Tokenizers,
+    ) -> Arc<Self> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos() ^ (d.as_secs() as u32))
@@ -297,6 +309,7 @@ impl Gateway {
         let block_bytes = registry.router.block_bytes();
         Arc::new(Gateway {
             block_bytes,
+            tokenizers,
             registry: Mutex::new(registry),
             upstream: Upstream::new(settings.connect_timeout),
             metrics: Metrics::new(),
@@ -310,6 +323,28 @@ impl Gateway {
             id_prefix: nanos ^ std::process::id().rotate_left(16),
             shutting_down: AtomicBool::new(false),
         })
+    }
+
+    /// Adds the prompt's token ids to `prompt` when a tokenizer is configured for the target
+    /// model and the prompt is one text (`/v1/completions`); runs without the lock.
+    pub fn tokenize(
+        &self,
+        target: &Target,
+        parsed: &ParsedRequest<'_>,
+        kind: RequestKind,
+        prompt: PreparedPrompt,
+    ) -> PreparedPrompt {
+        if self.tokenizers.is_empty() || kind != RequestKind::Generate {
+            return prompt;
+        }
+        let text = match (&parsed.messages, &parsed.prompt) {
+            (None, crate::parse::PromptText::Text(t)) => t,
+            _ => return prompt,
+        };
+        match self.tokenizers.token_ids(&target.model, text) {
+            Some(ids) => prompt.with_token_ids(ids),
+            None => prompt,
+        }
     }
 
     /// Seconds since the gateway started: the router's clock.

@@ -6,7 +6,7 @@
 //! On trouble (a sequence gap, an undecodable batch, lag, silence while the engine reports
 //! prompt work, a lost connection) the router is told `KvEventsLost`: the backend's exact view
 //! is dropped and it is priced on the approximate index. A broken or silent connection is
-//! resubscribed. The episode is logged once and counted in `switchyard_kv_event_fallbacks_total`;
+//! resubscribed. The episode is logged once and counted in `switchyard_kv_events_fallbacks_total`;
 //! after a clean probation with events the router is told `KvEventsTrusted`. A new subscription
 //! starts untrusted too (the cache before it is unknown). Nothing is queued: each message is
 //! decoded and applied as it arrives, and ZeroMQ drops what a slow reader does not take, which
