@@ -9,7 +9,7 @@ use switchyard_core::RouterConfig;
 use switchyard_sim::config::{default_engine, groups_for_roles, parse_roles};
 use switchyard_sim::switchyard_engine::{EngineConfig, Profile};
 use switchyard_sim::switchyard_workload::WorkloadSpec;
-use switchyard_sim::{FleetFile, InstanceGroup, SimConfig, Split};
+use switchyard_sim::{FleetFile, InstanceGroup, KvEventsSim, SimConfig, Split};
 
 use crate::workload_args::{workload_spec, WorkloadArgs};
 
@@ -63,6 +63,19 @@ pub struct SimArgs {
     /// Seconds between metrics scrapes of each instance.
     #[arg(long, default_value_t = 1.0)]
     scrape_interval: f64,
+    /// Engines publish KV-cache events to every replica, which matches token prompts exactly.
+    #[arg(long)]
+    kv_events: bool,
+    /// With --kv-events: seconds from a step to a replica applying its events.
+    #[arg(long, default_value_t = 0.005, value_name = "SECONDS")]
+    kv_event_delay: f64,
+    /// With --kv-events: share of event batches lost on the way to each replica.
+    #[arg(long, default_value_t = 0.0, value_name = "SHARE")]
+    kv_event_loss: f64,
+    /// With --kv-events: keep using a stream after a sequence gap (default: fall back to the
+    /// approximate index for that engine until it has run 5 s without one).
+    #[arg(long)]
+    kv_event_no_fallback: bool,
     /// Tell the router each instance's prefill speed from its profile (instead of its prior).
     #[arg(long)]
     prior_from_profile: bool,
@@ -179,6 +192,12 @@ fn sim_config(args: &SimArgs) -> anyhow::Result<SimConfig> {
         queue_chart_instances: args.queue_instances,
         lower_bound: !args.no_lower_bound,
         model: None,
+        kv_events: args.kv_events.then(|| KvEventsSim {
+            delay_s: args.kv_event_delay,
+            loss: args.kv_event_loss,
+            fallback: !args.kv_event_no_fallback,
+            ..KvEventsSim::default()
+        }),
     })
 }
 

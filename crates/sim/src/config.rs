@@ -112,6 +112,34 @@ pub fn groups_for_roles(roles: &[(u32, Role)], template: &EngineConfig) -> Vec<I
         .collect()
 }
 
+/// Engines publish KV-cache events (vLLM's `BlockStored` / `BlockRemoved`) to every router
+/// replica, which then matches token prompts exactly (`switchyard_core::exact`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvEventsSim {
+    /// Seconds from the step that stored or evicted blocks to a replica applying its batch.
+    pub delay_s: f64,
+    /// Share of batches lost on the way to each replica (each replica independently).
+    pub loss: f64,
+    /// A replica that sees a sequence gap falls back to the approximate index for that engine
+    /// until its stream has run `probation_s` without one (what the gateway does); off: it
+    /// applies what arrives and routes on a view it does not know is broken.
+    pub fallback: bool,
+    /// Seconds without trouble before a fallen-back stream is trusted again.
+    pub probation_s: f64,
+}
+
+impl Default for KvEventsSim {
+    fn default() -> Self {
+        KvEventsSim {
+            delay_s: 0.005,
+            loss: 0.0,
+            fallback: true,
+            probation_s: 5.0,
+        }
+    }
+}
+
 /// Everything about a simulation except the workload and the policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -139,6 +167,8 @@ pub struct SimConfig {
     pub lower_bound: bool,
     /// Model name the fleet serves; `None`: the model of the workload's first request.
     pub model: Option<String>,
+    /// Engines publish KV events to the routers (`None`: they do not).
+    pub kv_events: Option<KvEventsSim>,
 }
 
 impl Default for SimConfig {
@@ -158,6 +188,7 @@ impl Default for SimConfig {
             queue_chart_instances: 16,
             lower_bound: true,
             model: None,
+            kv_events: None,
         }
     }
 }
@@ -192,6 +223,17 @@ impl SimConfig {
             .any(|g| g.count > 0 && g.engine.role != Role::Decode);
         if !prefills {
             return Err(setting("fleet", "no instance can prefill"));
+        }
+        if let Some(k) = &self.kv_events {
+            if !(k.delay_s.is_finite() && k.delay_s >= 0.0) {
+                return Err(setting("kv_events.delay_s", "must be >= 0"));
+            }
+            if !(0.0..=1.0).contains(&k.loss) {
+                return Err(setting("kv_events.loss", "must be within 0..=1"));
+            }
+            if !(k.probation_s.is_finite() && k.probation_s >= 0.0) {
+                return Err(setting("kv_events.probation_s", "must be >= 0"));
+            }
         }
         self.router.validate()?;
         Ok(())

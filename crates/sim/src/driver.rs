@@ -4,21 +4,22 @@
 //! At equal times engine events come first (in instance order), then scrapes, then arrivals, so
 //! a request arriving exactly when a step ends sees that step's results.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 use switchyard_core::{
-    EngineMetrics as CoreMetrics, InstanceId, Observation, ObserveError, Phase, Prediction,
-    RequestId, RouteRequest, Router, RouterConfig, Usage,
+    EngineMetrics as CoreMetrics, InstanceId, KvEvent as CoreKvEvent, Observation, ObserveError,
+    Phase, Prediction, RequestId, RouteRequest, Router, RouterConfig, Usage,
 };
 use switchyard_engine::{
-    Engine, EngineEvent, EngineMetrics, EngineRequest, KvTransfer, RequestMode,
+    Engine, EngineEvent, EngineMetrics, EngineRequest, KvEvent, KvTransfer, RequestMode,
 };
 use switchyard_workload::Request;
 
-use crate::config::{SimConfig, Split};
+use crate::config::{KvEventsSim, SimConfig, Split};
 use crate::error::{Result, SimError};
 use crate::events::{Event, EventQueue};
 use crate::fleet::{self, Member};
@@ -55,6 +56,10 @@ pub struct RunData {
     pub ttft_errors: Vec<f64>,
     /// Relative errors of the routers' cached-token predictions, one per finished request.
     pub cached_errors: Vec<f64>,
+    /// KV-event batches lost on the way to a replica (summed over replicas).
+    pub kv_batches_lost: u64,
+    /// Times a replica fell back to the approximate index for an instance after a gap.
+    pub kv_fallbacks: u64,
 }
 
 /// Router-side id of a request's unified or prefill half.
@@ -97,6 +102,56 @@ struct Sim {
     prediction_scratch: Vec<Prediction>,
     ttft_errors: Vec<f64>,
     cached_errors: Vec<f64>,
+    kv: Option<KvDelivery>,
+}
+
+/// One engine's batch of KV events on its way to one replica.
+struct KvBatch {
+    at: f64,
+    replica: u16,
+    instance: usize,
+    seq: u64,
+    events: Arc<[CoreKvEvent]>,
+}
+
+/// KV events from the engines to the replicas: a delay, losses, and each replica's view of each
+/// stream's health (what the gateway's subscriber does, in virtual time).
+struct KvDelivery {
+    model: KvEventsSim,
+    rng: ChaCha8Rng,
+    scratch: Vec<KvEvent>,
+    /// Next sequence number per instance.
+    next_seq: Vec<u64>,
+    /// In flight, in arrival order (one delay for all: publication order is arrival order).
+    queue: VecDeque<KvBatch>,
+    /// Per replica and instance: the next sequence number expected.
+    expected: Vec<Vec<u64>>,
+    /// Per replica and instance: when a fallen-back stream is trusted again (NaN: trusted).
+    untrusted_until: Vec<Vec<f64>>,
+    /// Batches lost, and fallbacks taken, over all replicas.
+    lost: u64,
+    fallbacks: u64,
+}
+
+/// Converts an engine's KV event into the router's.
+fn core_kv_event(event: KvEvent) -> CoreKvEvent {
+    match event {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_name,
+        } => CoreKvEvent::Stored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_name,
+        },
+        KvEvent::BlockRemoved { block_hashes } => CoreKvEvent::Removed { block_hashes },
+        KvEvent::AllBlocksCleared => CoreKvEvent::AllCleared,
+    }
 }
 
 /// Converts an engine snapshot into what a scrape of vLLM's `/metrics` gives the router.
@@ -175,7 +230,82 @@ impl Sim {
             prediction_scratch: Vec::new(),
             ttft_errors: Vec::new(),
             cached_errors: Vec::new(),
+            kv: config.kv_events.map(|model| KvDelivery {
+                model,
+                rng: ChaCha8Rng::seed_from_u64(config.seed ^ 0x4b56_4556_454e_5453),
+                scratch: Vec::new(),
+                next_seq: vec![0; n],
+                queue: VecDeque::new(),
+                expected: vec![vec![0; n]; config.replicas as usize],
+                untrusted_until: vec![vec![f64::NAN; n]; config.replicas as usize],
+                lost: 0,
+                fallbacks: 0,
+            }),
         })
+    }
+
+    /// Sends what engine `i` published since the last look towards every replica.
+    fn publish_kv_events(&mut self, i: usize, now: f64) {
+        let Some(kv) = self.kv.as_mut() else {
+            return;
+        };
+        self.engines[i].drain_kv_events(&mut kv.scratch);
+        if kv.scratch.is_empty() {
+            return;
+        }
+        let events: Arc<[CoreKvEvent]> = kv.scratch.drain(..).map(core_kv_event).collect();
+        let seq = kv.next_seq[i];
+        kv.next_seq[i] += 1;
+        for replica in 0..self.routers.len() {
+            if kv.model.loss > 0.0 && kv.rng.random::<f64>() < kv.model.loss {
+                kv.lost += 1;
+                continue;
+            }
+            kv.queue.push_back(KvBatch {
+                at: now + kv.model.delay_s,
+                replica: replica as u16,
+                instance: i,
+                seq,
+                events: events.clone(),
+            });
+        }
+    }
+
+    /// When the next batch of KV events reaches a replica.
+    fn next_kv_delivery(&self) -> Option<f64> {
+        self.kv.as_ref()?.queue.front().map(|b| b.at)
+    }
+
+    /// Applies every batch due by `now`, watching each stream's sequence numbers.
+    fn deliver_kv_events(&mut self, now: f64) -> Result<()> {
+        let Some(kv) = self.kv.as_mut() else {
+            return Ok(());
+        };
+        while kv.queue.front().is_some_and(|b| b.at <= now) {
+            let Some(batch) = kv.queue.pop_front() else {
+                break;
+            };
+            let (r, i) = (batch.replica as usize, batch.instance);
+            let id = self.ids[i];
+            let router = &mut self.routers[r];
+            let gap = batch.seq != kv.expected[r][i];
+            kv.expected[r][i] = batch.seq + 1;
+            let until = &mut kv.untrusted_until[r][i];
+            if kv.model.fallback {
+                if gap {
+                    if until.is_nan() {
+                        router.observe(Observation::KvEventsLost(id), batch.at)?;
+                        kv.fallbacks += 1;
+                    }
+                    *until = batch.at + kv.model.probation_s;
+                } else if !until.is_nan() && batch.at >= *until {
+                    router.observe(Observation::KvEventsTrusted(id), batch.at)?;
+                    *until = f64::NAN;
+                }
+            }
+            router.observe(Observation::KvEvents(id, batch.events.to_vec()), batch.at)?;
+        }
+        Ok(())
     }
 
     /// Applies an observation to one replica; an unknown request (expired in the router as
@@ -223,6 +353,7 @@ impl Sim {
             self.on_engine_event(i, event)?;
         }
         self.events = events;
+        self.publish_kv_events(i, now);
         if self.track_adapters {
             self.count_adapter_loads(i);
         }
@@ -390,6 +521,8 @@ impl Sim {
             self.track_adapters = true;
         }
         let pieces = Pieces::of(request);
+        // With KV events the router sees token ids, as a gateway with the model's tokenizer.
+        let token_ids = self.kv.is_some().then_some(&tokens[..]);
         let route = RouteRequest {
             model: &request.model,
             adapter,
@@ -398,7 +531,7 @@ impl Sim {
             cache_salt: request.cache_salt.as_deref(),
             session_id: request.session_id.as_deref(),
             phase: Phase::Any,
-            token_ids: None,
+            token_ids,
             kind: Default::default(),
         };
         let router = &mut self.routers[replica as usize];
@@ -544,6 +677,18 @@ pub fn simulate_with(
             break;
         }
         let next_event = sim.queue.peek_time();
+        // KV events due before whatever comes next are applied first.
+        if let Some(due) = sim.next_kv_delivery() {
+            let next = next_event
+                .into_iter()
+                .chain(next_arrival)
+                .fold(f64::INFINITY, f64::min);
+            if due <= next {
+                sim.deliver_kv_events(due)?;
+                clock = clock.max(due);
+                continue;
+            }
+        }
         let take_event = match (next_event, next_arrival) {
             (Some(e), Some(a)) => e <= a,
             (Some(_), None) => true,
@@ -605,8 +750,11 @@ pub fn simulate_with(
                 .map_or(0.0, |l| l.prefill_tokens_per_s)
         })
         .collect();
+    let (kv_batches_lost, kv_fallbacks) = sim.kv.as_ref().map_or((0, 0), |k| (k.lost, k.fallbacks));
     Ok(RunData {
         policy: policy.to_string(),
+        kv_batches_lost,
+        kv_fallbacks,
         learned_prefill_tokens_per_s: learned,
         records: sim.records,
         instances: sim.stats,

@@ -38,6 +38,7 @@ pub fn engine_configs(config: &SimConfig) -> Vec<EngineConfig> {
             engine.engine_id = format!("e{}", out.len());
             // The simulator reads events, never per-token streams.
             engine.emit_token_events = false;
+            engine.emit_kv_events = config.kv_events.is_some();
             out.push(engine);
         }
     }

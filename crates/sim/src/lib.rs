@@ -40,7 +40,7 @@ use switchyard_workload::WorkloadSpec;
 pub use switchyard_engine;
 pub use switchyard_workload;
 
-pub use config::{FleetFile, InstanceGroup, SimConfig, Split};
+pub use config::{FleetFile, InstanceGroup, KvEventsSim, SimConfig, Split};
 pub use driver::{simulate, QueueTrace, RunData};
 pub use error::{Result, SimError};
 pub use lower_bound::{lower_bound, LowerBound};

@@ -202,3 +202,63 @@ fn outputs_are_written() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Cache share, mean TTFT, lost batches and fallbacks of `cost` over the shared-prefix workload.
+fn replicas_run(
+    replicas: u32,
+    kv_events: Option<switchyard_sim::KvEventsSim>,
+) -> (f64, f64, u64, u64) {
+    let config = SimConfig {
+        replicas,
+        kv_events,
+        ..small_fleet(4)
+    };
+    let spec = shared_prefix(600, 60.0);
+    let data = simulate(&config, "cost", "base", spec.build(1).unwrap()).unwrap();
+    let (mut prompt, mut cached, mut ttft) = (0u64, 0u64, 0.0);
+    for r in &data.records {
+        assert_eq!(r.outcome, Outcome::Finished, "{r:?}");
+        prompt += u64::from(r.prompt_tokens);
+        cached += u64::from(r.cached_tokens);
+        ttft += r.first_token - r.arrival;
+    }
+    assert_eq!(data.unknown_observations, 0);
+    (
+        cached as f64 / prompt as f64,
+        ttft / data.records.len() as f64,
+        data.kv_batches_lost,
+        data.kv_fallbacks,
+    )
+}
+
+#[test]
+fn kv_events_give_replicas_the_cache_view_they_lack() {
+    let events = switchyard_sim::KvEventsSim::default();
+    let (alone, ..) = replicas_run(4, None);
+    let (shared, _, lost, fallbacks) = replicas_run(4, Some(events));
+    assert_eq!((lost, fallbacks), (0, 0));
+    assert!(
+        shared > alone + 0.01,
+        "events: {shared:.3} cached, without: {alone:.3}"
+    );
+    // Losses make gaps; with the fallback on, replicas leave exact mode and say so.
+    let lossy = switchyard_sim::KvEventsSim {
+        loss: 0.05,
+        ..events
+    };
+    let (_, _, lost, fallbacks) = replicas_run(4, Some(lossy));
+    assert!(
+        lost > 0 && fallbacks > 0,
+        "lost {lost}, fallbacks {fallbacks}"
+    );
+    let (_, _, lost_quiet, no_fallbacks) = replicas_run(
+        4,
+        Some(switchyard_sim::KvEventsSim {
+            fallback: false,
+            ..lossy
+        }),
+    );
+    // Routing differs once a replica falls back, so the batches (and losses) differ a little.
+    assert!(lost_quiet > 0);
+    assert_eq!(no_fallbacks, 0);
+}
