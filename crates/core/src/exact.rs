@@ -89,11 +89,13 @@ impl ExactIndex {
         self.untrusted.remove(&slot);
     }
 
-    /// The instance's event stream broke (a gap, silence, lag, a lost connection): what the
-    /// view holds may be stale, so it is dropped, and lookups fall back to the approximate
-    /// index until [`ExactIndex::trust`]. Events keep rebuilding the view meanwhile.
+    /// The instance's event stream broke (a gap, silence, lag, a lost connection): lookups fall
+    /// back to the approximate index until [`ExactIndex::trust`]. The view is kept and events
+    /// keep updating it: a lost message leaves it a few blocks wrong, while dropping it would
+    /// lose every block stored before the gap that is still cached (an engine publishes a block
+    /// once, when it stores it; docs/results.md §3). A driver that knows the engine's cache is
+    /// gone (it restarted) sends [`KvEvent::AllCleared`] first.
     pub fn lose(&mut self, slot: Slot) {
-        self.clear_slot(slot);
         self.untrusted.insert(slot);
     }
 
@@ -184,7 +186,7 @@ mod tests {
     }
 
     #[test]
-    fn a_lost_stream_falls_back_until_trusted_and_its_view_is_rebuilt() {
+    fn a_lost_stream_falls_back_until_trusted_and_keeps_its_view() {
         let mut exact = ExactIndex::default();
         exact.apply(0, &[stored(&[100, 101], None, &[1, 2, 3, 4])]);
         exact.apply(1, &[stored(&[200], None, &[1, 2])]);
@@ -201,7 +203,7 @@ mod tests {
             Some(2),
             "others untouched"
         );
-        // Events during the fallback rebuild the view; the old blocks are gone.
+        // Events during the fallback update the view; what it held before the gap stays.
         exact.apply(0, &[stored(&[300], None, &[9, 9])]);
         assert_eq!(exact.cached_tokens(0, &[9, 9], None), None);
         exact.trust(0);
@@ -209,8 +211,17 @@ mod tests {
         assert_eq!(exact.cached_tokens(0, &[9, 9], None), Some(2));
         assert_eq!(
             exact.cached_tokens(0, &[1, 2, 3, 4], None),
+            Some(4),
+            "kept through the loss"
+        );
+        // An engine that restarted is cleared by its driver.
+        exact.lose(0);
+        exact.apply(0, &[KvEvent::AllCleared]);
+        exact.trust(0);
+        assert_eq!(
+            exact.cached_tokens(0, &[1, 2, 3, 4], None),
             Some(0),
-            "dropped at the loss"
+            "cleared with the engine"
         );
         exact.forget_slot(0);
         assert_eq!(

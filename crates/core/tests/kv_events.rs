@@ -60,20 +60,24 @@ fn events_drive_the_estimate_until_lost_and_again_once_trusted() {
         decision.explain(2)
     );
 
-    // A broken stream: the exact view is dropped and b is priced like any instance.
+    // A broken stream: b is priced on the approximate index (which never saw this text).
     router.observe(Observation::KvEventsLost(b), 2.0).unwrap();
     assert!(!router.is_exact(b));
     assert_eq!(cached_on(&mut router, b, &text, &longer, 2.0), 0);
-    // Events during the fallback rebuild the view without being used.
+    // The engine restarted: its driver clears the view; events after it rebuild it unused.
     router
-        .observe(Observation::KvEvents(b, vec![stored(2000, &tokens)]), 3.0)
+        .observe(Observation::KvEvents(b, vec![KvEvent::AllCleared]), 2.5)
+        .unwrap();
+    let half: Vec<u32> = (0..32).collect();
+    router
+        .observe(Observation::KvEvents(b, vec![stored(2000, &half)]), 3.0)
         .unwrap();
     assert_eq!(cached_on(&mut router, b, &text, &longer, 3.0), 0);
     router
         .observe(Observation::KvEventsTrusted(b), 4.0)
         .unwrap();
     assert!(router.is_exact(b));
-    assert_eq!(cached_on(&mut router, b, &text, &longer, 4.0), 64);
+    assert_eq!(cached_on(&mut router, b, &text, &longer, 4.0), 32);
 }
 
 #[test]

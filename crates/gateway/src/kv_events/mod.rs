@@ -46,10 +46,25 @@ struct Trust<'a> {
 }
 
 impl Trust<'_> {
-    /// The stream is untrusted from now: the router drops the backend's exact view. Counted and
-    /// logged once per episode (a new subscription is not an episode).
+    /// The stream is untrusted from now: the router prices the backend on the approximate index.
+    /// Its exact view is kept through a lost message (it is only a few blocks wrong, and an
+    /// engine publishes a block once, when it stores it), and cleared when the engine's cache may
+    /// be gone: a new subscription (after a lost connection or silence, the engine may have
+    /// restarted) or sequence numbers that went back (it did). Counted and logged once per
+    /// episode (a new subscription is not an episode).
     fn lose(&mut self, trouble: Option<&Trouble>) {
         let was_trusted = self.health.distrust(self.gw.now());
+        let restarted = match trouble {
+            None => true,
+            Some(Trouble::Gap { expected, got }) => got < expected,
+            Some(_) => false,
+        };
+        if restarted {
+            self.gw.observe(Observation::KvEvents(
+                self.backend.id,
+                vec![KvEvent::AllCleared],
+            ));
+        }
         self.gw.observe(Observation::KvEventsLost(self.backend.id));
         let m = &self.backend.metrics.kv_events;
         m.exact.set(0);
