@@ -77,6 +77,9 @@ pub struct FleetArgs {
     /// Largest accepted request body in bytes (413 above).
     #[arg(long, default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Bytes of request bodies held at once over all requests (503 past it; 0: no limit).
+    #[arg(long, default_value_t = 1024 * 1024 * 1024)]
+    pub max_body_memory: usize,
     /// Seconds between engine metrics scrapes.
     #[arg(long, default_value = "0.5", value_parser = parse_secs)]
     pub scrape_interval: Duration,
@@ -171,6 +174,7 @@ impl FleetArgs {
             backends,
             fleet_file: self.fleet_file.clone(),
             max_body_bytes: self.max_body_bytes,
+            max_body_memory: self.max_body_memory,
             scrape_interval: self.scrape_interval,
             health_interval: self.health_interval,
             probe_timeout: self.probe_timeout,

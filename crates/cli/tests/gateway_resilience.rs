@@ -605,6 +605,94 @@ async fn slow_idle_and_surplus_clients_are_cut_off() {
 }
 
 #[tokio::test]
+async fn bodies_being_received_cannot_take_more_memory_than_the_budget() {
+    use tokio::io::AsyncWriteExt;
+    let e = engine(&[]);
+    let gw = gateway(&[
+        "--backend",
+        &backend(&e),
+        "--max-body-memory",
+        "100000",
+        "--body-read-timeout",
+        "30",
+    ]);
+    let addr = gw.base.trim_start_matches("http://").to_string();
+    let connect = || tokio::net::TcpStream::connect(addr.clone());
+    let head = |len: usize| {
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n"
+        )
+    };
+    // A slow upload declares 60 kB and sends a few bytes: its 60 kB are reserved.
+    let mut slow = connect().await.unwrap();
+    slow.write_all(format!("{}{{\"model\"", head(60_000)).as_bytes())
+        .await
+        .unwrap();
+    let c = reqwest::Client::new();
+    let held = || async {
+        let text = c
+            .get(format!("{}/metrics", gw.base))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("switchyard_body_memory_bytes "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    };
+    poll(Duration::from_secs(10), || async {
+        held().await.filter(|&b| b >= 60_000.0)
+    })
+    .await
+    .expect("the slow upload's 60 kB are reserved");
+    // A second one that would take the sum past 100 kB is refused at once, in OpenAI's shape.
+    let refused = poll(Duration::from_secs(10), || async {
+        let mut second = connect().await.ok()?;
+        second
+            .write_all(format!("{}{{", head(60_000)).as_bytes())
+            .await
+            .ok()?;
+        let answer = read_until_closed(&mut second, Duration::from_secs(2)).await?;
+        answer.starts_with("HTTP/1.1 503").then_some(answer)
+    })
+    .await
+    .expect("the second upload is refused");
+    assert!(refused.contains("\"body_memory_exhausted\""), "{refused}");
+    assert!(
+        refused.contains("retry-after") || refused.contains("Retry-After"),
+        "{refused}"
+    );
+    // A request that fits still goes through beside the slow one.
+    let ok = c
+        .post(format!("{}/v1/completions", gw.base))
+        .json(&serde_json::json!({"model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    // Once the slow client leaves, its reservation is given back.
+    drop(slow);
+    let after = poll(Duration::from_secs(30), || async {
+        let body = format!(
+            "{{\"model\":\"{MODEL}\",\"prompt\":\"{}\",\"max_tokens\":2}}",
+            "a".repeat(59_000)
+        );
+        let r = c
+            .post(format!("{}/v1/completions", gw.base))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    assert!(after.is_some(), "the budget came back");
+}
+
+#[tokio::test]
 async fn a_stalled_stream_is_ended_with_an_error_event() {
     // Headers and one token at once, then silence: the client must not wait forever.
     let fake = FakeEngine::start(Fake::StallMidStream).await;

@@ -10,6 +10,7 @@ use bytes::{Bytes, BytesMut};
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use switchyard_core::{InstanceId, Observation};
+use switchyard_gateway::body_budget::BodyHold;
 use switchyard_gateway::error::ApiError;
 use switchyard_gateway::proxy::{self, Endpoint, Routed};
 use switchyard_gateway::stream::{RequestGuard, ResponseWatch};
@@ -60,6 +61,8 @@ pub struct Exchange {
     phase: Option<String>,
     subset: Option<Vec<String>>,
     body: BytesMut,
+    /// The body's share of `--max-body-memory`, held while it is buffered.
+    hold: BodyHold,
     stage: Stage,
 }
 
@@ -76,6 +79,7 @@ impl Exchange {
             phase: None,
             subset: None,
             body: BytesMut::new(),
+            hold: BodyHold::default(),
             stage: Stage::Request,
         }
     }
@@ -107,6 +111,10 @@ impl Exchange {
                 let limit = self.gw.settings.max_body_bytes;
                 if limit > 0 && self.body.len() + b.body.len() > limit {
                     return self.answer(&ApiError::too_large(limit));
+                }
+                let budget = &self.gw.body_budget;
+                if !budget.reserve(&mut self.hold, self.body.len() + b.body.len()) {
+                    return self.answer(&ApiError::body_memory_exhausted(budget.limit()));
                 }
                 self.body.extend_from_slice(&b.body);
                 if b.end_of_stream {
@@ -268,6 +276,8 @@ impl Exchange {
         }
         let mut replies = vec![messages::routed(&pick.destination, &extra)];
         replies.extend(messages::request_body(&out_body, end_of_stream));
+        // The body goes back to Envoy with these replies: its memory is given back here.
+        self.hold = BodyHold::default();
         self.stage = Stage::Routed {
             routed: Box::new(routed),
             guard: Some(pick.guard),

@@ -24,6 +24,9 @@ pub struct Settings {
     pub fleet_file: Option<PathBuf>,
     /// Largest accepted request body (413 above).
     pub max_body_bytes: usize,
+    /// Bytes of request bodies held at once, over all requests being read or sent (503
+    /// `body_memory_exhausted` past it; 0: no limit).
+    pub max_body_memory: usize,
     /// Largest request headers forwarded (431 above; 0: no limit).
     pub max_header_bytes: usize,
     /// Time a client has to send a request's headers, counted from the connection's start (0:
@@ -95,6 +98,7 @@ impl Default for Settings {
             backends: Vec::new(),
             fleet_file: None,
             max_body_bytes: 16 * 1024 * 1024,
+            max_body_memory: 1024 * 1024 * 1024,
             // What uvicorn (vLLM's and SGLang's server) accepts by default (h11's limit).
             max_header_bytes: 16 * 1024,
             header_read_timeout: Duration::from_secs(30),

@@ -283,6 +283,21 @@ impl ApiError {
         )
     }
 
+    /// 503: the request bodies already held use up `--max-body-memory`.
+    pub fn body_memory_exhausted(limit: usize) -> Self {
+        ApiError {
+            retry_after: Some(1),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "body_memory_exhausted",
+                format!(
+                    "Request bodies being received use up the gateway's {limit} bytes for them; retry later."
+                ),
+            )
+        }
+    }
+
     /// 429: every backend is saturated and the admission queue did not clear in time.
     pub fn saturated(retry_after: u32) -> Self {
         ApiError {
@@ -355,6 +370,7 @@ impl IntoResponse for ApiError {
         }
         if self.status == StatusCode::PAYLOAD_TOO_LARGE
             || self.status == StatusCode::REQUEST_TIMEOUT
+            || self.code == "body_memory_exhausted"
         {
             // The rest of the body was never read, so the connection cannot carry
             // another request: say so, or a client reuses it and loses its next one.

@@ -25,6 +25,7 @@ pub mod admin;
 pub mod admission;
 pub mod backends;
 pub mod bare_errors;
+pub mod body_budget;
 pub mod config;
 pub mod discovery;
 pub mod drain;

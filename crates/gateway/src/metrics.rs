@@ -113,6 +113,8 @@ pub struct Metrics {
     prompt_tokens: Family<BackendLabel, Counter>,
     /// Requests waiting in the admission queue.
     pub admission_queue: Gauge,
+    /// Request-body bytes held of `--max-body-memory` (set when rendered).
+    pub body_memory: Gauge,
     healthy: Family<BackendLabel, Gauge>,
     in_flight: Family<BackendLabel, Gauge>,
     scrapes: Family<ResultLabels, Counter>,
@@ -325,6 +327,12 @@ impl Metrics {
             "Requests waiting in the admission queue",
             admission_queue.clone(),
         );
+        let body_memory = Gauge::default();
+        registry.register(
+            "switchyard_body_memory_bytes",
+            "Request-body bytes held of --max-body-memory (bodies being received or sent)",
+            body_memory.clone(),
+        );
         let healthy = Family::<BackendLabel, Gauge>::default();
         registry.register(
             "switchyard_backend_healthy",
@@ -435,6 +443,7 @@ impl Metrics {
             reported_cached,
             prompt_tokens,
             admission_queue,
+            body_memory,
             healthy,
             in_flight,
             scrapes,

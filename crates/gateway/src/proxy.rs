@@ -14,6 +14,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use switchyard_core::{Observation, PreparedPrompt, RequestId, RequestKind};
 
 use crate::backends::Backend;
+use crate::body_budget::{BodyBudget, BodyHold};
 use crate::error::ApiError;
 use crate::forward::forward;
 pub use crate::forward::{reject, Routed, BACKEND, DECISION, REQUEST_ID};
@@ -67,7 +68,12 @@ fn header_bytes(headers: &HeaderMap) -> usize {
         .sum()
 }
 
-async fn read_body<B>(body: B, limit: usize, headers: &HeaderMap) -> Result<Bytes, ApiError>
+async fn read_body<B>(
+    body: B,
+    limit: usize,
+    headers: &HeaderMap,
+    budget: &BodyBudget,
+) -> Result<(Bytes, BodyHold), ApiError>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -79,8 +85,15 @@ where
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ApiError::too_large(limit));
     }
+    // The whole body's memory is reserved before any of it is read: what it declares, or the
+    // largest body allowed when it declares nothing (chunked uploads are rare from API clients).
+    let mut hold = BodyHold::default();
+    let reserve = declared.map_or(limit, |n| n as usize);
+    if !budget.reserve(&mut hold, reserve) {
+        return Err(ApiError::body_memory_exhausted(budget.limit()));
+    }
     match Limited::new(body, limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
+        Ok(c) => Ok((c.to_bytes(), hold)),
         Err(e) if e.is::<LengthLimitError>() => Err(ApiError::too_large(limit)),
         Err(e) => Err(ApiError::malformed(format!("cannot read the body: {e}"))),
     }
@@ -270,12 +283,18 @@ where
     if limit > 0 && header_bytes(&parts.headers) > limit {
         return reject(&gw, ApiError::headers_too_large(limit), &request_id);
     }
-    let read = read_body(body, gw.settings.max_body_bytes, &parts.headers);
+    let read = read_body(
+        body,
+        gw.settings.max_body_bytes,
+        &parts.headers,
+        &gw.body_budget,
+    );
     // Zero: no limit (a century stands in for it; `Duration::MAX` would overflow the clock).
     let body_timeout = Some(gw.settings.body_read_timeout)
         .filter(|d| !d.is_zero())
         .unwrap_or(Duration::from_secs(100 * 365 * 24 * 3600));
-    let bytes = match tokio::time::timeout(body_timeout, read).await {
+    // `_hold` gives the body's memory back to the budget when this request is done with it.
+    let (bytes, _hold) = match tokio::time::timeout(body_timeout, read).await {
         Ok(Ok(b)) => b,
         Ok(Err(e)) => return reject(&gw, e, &request_id),
         Err(_) => {

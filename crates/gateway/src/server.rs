@@ -298,6 +298,9 @@ async fn health(State(gw): Shared) -> Response {
 
 /// `GET /metrics`: the gateway's own metrics.
 async fn metrics(State(gw): Shared) -> Response {
+    gw.metrics
+        .body_memory
+        .set(i64::try_from(gw.body_budget.held_bytes()).unwrap_or(i64::MAX));
     (
         [(
             header::CONTENT_TYPE,

@@ -267,6 +267,8 @@ pub struct Gateway {
     pub block_bytes: usize,
     /// Tokenizers by model (`--tokenizer`), run in the prepare step, outside the lock.
     pub tokenizers: crate::tokenize::Tokenizers,
+    /// Request-body bytes held at once over all requests (`--max-body-memory`).
+    pub body_budget: crate::body_budget::BodyBudget,
     started: Instant,
     started_unix: u64,
     next_request: AtomicU64,
@@ -310,6 +312,7 @@ impl Gateway {
         Arc::new(Gateway {
             block_bytes,
             tokenizers,
+            body_budget: crate::body_budget::BodyBudget::new(settings.max_body_memory),
             registry: Mutex::new(registry),
             upstream: Upstream::new(settings.connect_timeout),
             metrics: Metrics::new(),
