@@ -61,20 +61,6 @@ async fn wait_fleet(c: &reqwest::Client, epp: &Proc, want: &[&str], what: &str) 
     assert!(ok.is_some(), "{what}: want {want:?}, last seen {last:?}");
 }
 
-/// A metric's value from the picker's /metrics.
-async fn metric(c: &reqwest::Client, epp: &Proc, name: &str) -> Option<f64> {
-    let text = c
-        .get(epp.url("/metrics"))
-        .send()
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_join_drain_leave_and_survive_410_and_outages() {
     let mut kube = FakeKube::start().await;

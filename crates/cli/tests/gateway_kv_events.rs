@@ -255,22 +255,39 @@ async fn publish_until(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sequence_gap_or_a_bad_batch_falls_back_until_the_stream_runs_clean() {
+/// Whether backend `e` is matched exactly, by its metrics.
+fn exact(metrics: &str) -> bool {
+    series(metrics, "switchyard_kv_events_exact", "e") == 1.0
+}
+
+/// An emulator whose KV events come from a test publisher, behind a gateway (probation 0.3 s,
+/// admin token `t`, plus `extra`), once the stream is trusted: (engine, publisher, gateway,
+/// client, the next sequence number).
+async fn trusted_fake_stream(
+    extra: &[&str],
+) -> (Emulator, FakePublisher, Proc, reqwest::Client, u64) {
     let engine = Emulator::start(&["--model", MODEL, "--speed", "100"]);
     let mut publisher = FakePublisher::bind().await;
-    let gw = gateway(&[
+    let backend = backend_flag("e", &engine, &publisher.endpoint);
+    let mut args = vec![
         "--backend",
-        &backend_flag("e", &engine, &publisher.endpoint),
+        backend.as_str(),
         "--kv-events-probation",
         "0.3",
         "--admin-token",
         "t",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let gw = gateway(&args);
     let c = client();
-    let exact = |m: &str| series(m, "switchyard_kv_events_exact", "e") == 1.0;
     let mut seq = 0;
     publish_until(&mut publisher, &mut seq, &c, &gw, "trusted", exact).await;
+    (engine, publisher, gw, c, seq)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_gap_or_a_bad_batch_falls_back_until_the_stream_runs_clean() {
+    let (_engine, mut publisher, gw, c, mut seq) = trusted_fake_stream(&[]).await;
     assert_eq!(
         admin_kv_events(&c, &gw).await,
         json!({"endpoint": publisher.endpoint, "exact": true})
@@ -304,22 +321,8 @@ async fn a_sequence_gap_or_a_bad_batch_falls_back_until_the_stream_runs_clean() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_silent_while_its_engine_works_falls_back() {
-    let engine = Emulator::start(&["--model", MODEL, "--speed", "100"]);
-    let mut publisher = FakePublisher::bind().await;
-    let gw = gateway(&[
-        "--backend",
-        &backend_flag("e", &engine, &publisher.endpoint),
-        "--kv-events-probation",
-        "0.3",
-        "--kv-events-silence",
-        "0.5",
-        "--admin-token",
-        "t",
-    ]);
-    let c = client();
-    let exact = |m: &str| series(m, "switchyard_kv_events_exact", "e") == 1.0;
-    let mut seq = 0;
-    publish_until(&mut publisher, &mut seq, &c, &gw, "trusted", exact).await;
+    let (_engine, _publisher, gw, c, _) =
+        trusted_fake_stream(&["--kv-events-silence", "0.5"]).await;
 
     // The publisher says nothing more while the engine computes fresh prompts: blocks it must
     // have stored go unreported, so the view is not to be trusted.

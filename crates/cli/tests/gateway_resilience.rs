@@ -629,21 +629,10 @@ async fn bodies_being_received_cannot_take_more_memory_than_the_budget() {
         .await
         .unwrap();
     let c = reqwest::Client::new();
-    let held = || async {
-        let text = c
-            .get(format!("{}/metrics", gw.base))
-            .send()
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
-        text.lines()
-            .find_map(|l| l.strip_prefix("switchyard_body_memory_bytes "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-    };
     poll(Duration::from_secs(10), || async {
-        held().await.filter(|&b| b >= 60_000.0)
+        metric(&c, &gw, "switchyard_body_memory_bytes")
+            .await
+            .filter(|&b| b >= 60_000.0)
     })
     .await
     .expect("the slow upload's 60 kB are reserved");

@@ -14,6 +14,7 @@ const UNIT: usize = 1024;
 pub struct BodyBudget {
     permits: Option<Arc<Semaphore>>,
     limit: usize,
+    units: usize,
 }
 
 /// What one request holds of the budget; given back when dropped.
@@ -29,6 +30,7 @@ impl BodyBudget {
         BodyBudget {
             permits: (limit > 0).then(|| Arc::new(Semaphore::new(units))),
             limit,
+            units,
         }
     }
 
@@ -39,9 +41,9 @@ impl BodyBudget {
 
     /// Bytes currently held (in whole KiB; 0 when unlimited, which keeps no count).
     pub fn held_bytes(&self) -> usize {
-        self.permits.as_ref().map_or(0, |p| {
-            (self.limit.div_ceil(UNIT).min(Semaphore::MAX_PERMITS) - p.available_permits()) * UNIT
-        })
+        self.permits
+            .as_ref()
+            .map_or(0, |p| (self.units - p.available_permits()) * UNIT)
     }
 
     /// Grows `hold` to cover `bytes` in all; false (and `hold` unchanged) when the budget has

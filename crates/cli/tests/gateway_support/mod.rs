@@ -347,6 +347,20 @@ pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
         .sum()
 }
 
+/// An unlabelled metric's value from a process's /metrics (None until it answers).
+pub async fn metric(c: &reqwest::Client, p: &Proc, name: &str) -> Option<f64> {
+    let text = c
+        .get(p.url("/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
 /// Polls `f` every 20 ms until it returns Some or `timeout` passes.
 pub async fn poll<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
 where
