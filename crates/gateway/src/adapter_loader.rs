@@ -129,6 +129,10 @@ async fn execute(gw: &Arc<Gateway>, actions: Vec<PlacementAction>) {
             state.applied(&action, ok, now);
         }
         gw.metrics.placement(&name, &adapter, action.kind(), ok);
+        if ok {
+            gw.live
+                .placed(now, matches!(action, PlacementAction::Load { .. }));
+        }
         gw.admission.wake();
     }
 }

@@ -14,7 +14,7 @@ use crate::proxy::{self, echo_id, with_id, Shared};
 use crate::state::Gateway;
 
 /// Equal-time comparison, so the token cannot be guessed byte by byte from timings.
-fn same(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }

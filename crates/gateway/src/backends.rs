@@ -401,6 +401,8 @@ pub struct Backend {
     kind: AtomicU8,
     /// Metric handles.
     pub metrics: BackendMetrics,
+    /// Recent TTFTs, for the dashboard's percentiles.
+    pub ttft: crate::live::TtftWindow,
 }
 
 impl std::fmt::Debug for Backend {
@@ -448,6 +450,7 @@ impl Backend {
             ejections: AtomicU32::new(0),
             in_flight: AtomicI64::new(0),
             metrics,
+            ttft: Default::default(),
         })
     }
 

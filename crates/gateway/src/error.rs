@@ -207,6 +207,32 @@ impl ApiError {
         )
     }
 
+    /// 401: the dashboard without the admin token (answered with a Basic challenge, so a
+    /// browser asks for it).
+    pub fn admin_unauthorized() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_admin_token",
+            "Missing or wrong admin token (send `Authorization: Bearer TOKEN`, or the token as \
+             the password of HTTP Basic credentials)."
+                .into(),
+        )
+    }
+
+    /// 503: too many dashboard event streams open at once.
+    pub fn too_many_streams(max: usize) -> Self {
+        ApiError {
+            retry_after: Some(5),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "too_many_dashboard_streams",
+                format!("{max} dashboard event streams are open already; retry later."),
+            )
+        }
+    }
+
     /// 403: admin endpoint without the admin token, or admin disabled.
     pub fn forbidden(message: impl Into<String>) -> Self {
         Self::new(

@@ -163,9 +163,17 @@ fn route_once(
         })
     });
     let prompt_tokens = decision.prompt_tokens;
+    let decision = Arc::new(decision);
+    gw.live.decided(
+        now,
+        rid,
+        &prepared.target.model,
+        prepared.target.adapter.as_deref(),
+        &decision,
+    );
     let routed = Routed {
         rid,
-        decision: Some(Arc::new(decision)),
+        decision: Some(decision),
         candidates,
         prompt_tokens,
         explain,

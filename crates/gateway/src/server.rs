@@ -1,5 +1,5 @@
-//! The HTTP surface: OpenAI endpoints, models, health, metrics, admin, and OpenAI-shaped 404s,
-//! and the server loop ([`serve`]) that answers them.
+//! The HTTP surface: OpenAI endpoints, models, health, metrics, admin, the dashboard, and
+//! OpenAI-shaped 404s, and the server loop ([`serve`]) that answers them.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -22,6 +22,7 @@ use tokio::sync::watch;
 
 use crate::admin;
 use crate::bare_errors::ShapedErrors;
+use crate::dashboard;
 use crate::drain::{self, Activity};
 use crate::error::ApiError;
 use crate::proxy::{self, Endpoint};
@@ -42,7 +43,7 @@ pub fn app(gw: Arc<Gateway>) -> Router {
         .with_state(gw)
 }
 
-/// Health, metrics and admin: part of [`app`], and all a driver whose requests arrive another
+/// Health, metrics, admin and the dashboard: part of [`app`], and all a driver whose requests arrive another
 /// way serves (the Envoy endpoint picker's metrics port, [`ops_app`]).
 fn ops_routes() -> Router<Arc<Gateway>> {
     Router::new()
@@ -52,6 +53,9 @@ fn ops_routes() -> Router<Arc<Gateway>> {
         .route("/admin/drain/{name}", post(admin::drain))
         .route("/admin/undrain/{name}", post(admin::undrain))
         .route("/admin/policy", post(admin::policy))
+        .route("/dashboard", get(dashboard::page))
+        .route("/dashboard/snapshot", get(dashboard::snapshot_json))
+        .route("/dashboard/events", get(dashboard::events))
 }
 
 /// The operations routes alone (health, metrics, admin), for a driver whose requests arrive

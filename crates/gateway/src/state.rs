@@ -269,6 +269,10 @@ pub struct Gateway {
     pub tokenizers: crate::tokenize::Tokenizers,
     /// Request-body bytes held at once over all requests (`--max-body-memory`).
     pub body_budget: crate::body_budget::BodyBudget,
+    /// What the dashboard shows beyond the router and the metrics (bounded rings).
+    pub live: crate::live::Live,
+    /// Wakes what waits for shutdown (the dashboard's event streams) when it begins.
+    shutdown: tokio::sync::Notify,
     started: Instant,
     started_unix: u64,
     next_request: AtomicU64,
@@ -313,6 +317,8 @@ impl Gateway {
             block_bytes,
             tokenizers,
             body_budget: crate::body_budget::BodyBudget::new(settings.max_body_memory),
+            live: crate::live::Live::default(),
+            shutdown: tokio::sync::Notify::new(),
             registry: Mutex::new(registry),
             upstream: Upstream::new(settings.connect_timeout),
             metrics: Metrics::new(),
@@ -404,10 +410,12 @@ impl Gateway {
                 Prediction::Ttft {
                     estimated_s,
                     observed_s,
-                } if estimated_s > 0.0 => self
-                    .metrics
-                    .ttft_prediction_ratio
-                    .observe(observed_s / estimated_s),
+                } if estimated_s > 0.0 => {
+                    self.metrics
+                        .ttft_prediction_ratio
+                        .observe(observed_s / estimated_s);
+                    self.live.predicted(now, estimated_s, observed_s);
+                }
                 Prediction::Ttft { .. } => {}
                 Prediction::Cached { .. } => self
                     .metrics
@@ -435,6 +443,19 @@ impl Gateway {
     pub fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::Release);
         self.admission.wake();
+        self.shutdown.notify_waiters();
+    }
+
+    /// Resolves once shutdown has begun (at once if it has).
+    pub async fn shutdown_begun(&self) {
+        loop {
+            // Registered before the check: a `begin_shutdown` in between still wakes it.
+            let notified = self.shutdown.notified();
+            if self.is_shutting_down() {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// Whether shutdown has begun.

@@ -360,11 +360,10 @@ impl Track {
             if matches!(self.scan, Scan::Sse(_)) {
                 self.guard.first_token();
             }
-            self.guard
-                .backend
-                .metrics
-                .ttft
-                .observe(self.started.elapsed().as_secs_f64());
+            let ttft = self.started.elapsed().as_secs_f64();
+            let backend = &self.guard.backend;
+            backend.metrics.ttft.observe(ttft);
+            backend.ttft.record(self.guard.gw.now(), ttft);
         }
         match &mut self.scan {
             Scan::Sse(s) => s.feed(data),

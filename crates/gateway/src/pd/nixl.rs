@@ -177,6 +177,7 @@ async fn read_hand_off(
     let elapsed = started.elapsed().as_secs_f64();
     let m = &backend.metrics;
     m.ttft.observe(elapsed);
+    backend.ttft.record(gw.now(), elapsed);
     m.e2e.observe(elapsed);
     m.ok.inc();
     let usage = read_usage(&answer).map(|(u, _)| u);
