@@ -2,7 +2,7 @@
 # The whole test suite, exactly as CI runs it (`.ci/run` calls this script):
 # formatting, the deploy files (offline, no build: cheap checks first), lints, every Rust
 # test (unit, integration, property, doc), then the Python tests that drive our servers with the
-# official `openai` client.
+# official `openai` client, and the dashboard in a real browser (headless chromium).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,3 +37,8 @@ if [ -d tests/python ]; then
     bash scripts/llamacpp-env.sh
     SWITCHYARD_BIN="$PWD/target/debug/switchyard" .venv/bin/python -m pytest tests/python -q
 fi
+
+echo "== Browser test (the dashboard in headless chromium against switchyard demo; about 20 s)"
+# Debian's chromium and the pinned playwright-core, installed by scripts/browser-env.sh; here
+# the test must run: a machine where chromium cannot be installed fails.
+SWITCHYARD_REQUIRE_BROWSER=1 SWITCHYARD_BIN="$PWD/target/debug/switchyard" bash scripts/browser-test.sh

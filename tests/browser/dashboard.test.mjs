@@ -161,7 +161,10 @@ test("the dashboard shows the fleet live, under load and with a drained instance
   const started = Date.now();
   const exited = new Promise((resolve) => demo.child.on("exit", (code) => resolve(code)));
   demo.child.kill("SIGTERM");
-  const code = await Promise.race([exited, new Promise((r) => setTimeout(() => r("hung"), 10_000))]);
+  let timer;
+  const hung = new Promise((r) => { timer = setTimeout(() => r("hung"), 10_000); });
+  const code = await Promise.race([exited, hung]);
+  clearTimeout(timer);
   assert.equal(code, 0, `demo exit after SIGTERM: ${code}\n${demo.output()}`);
   assert.ok(Date.now() - started < 10_000);
   await until("the page to notice the end of the stream", 5_000,
