@@ -34,7 +34,7 @@ pub struct DemoArgs {
     /// Routing policy.
     #[arg(long, default_value = "cost")]
     pub policy: String,
-    /// Admin token for /admin/* (printed).
+    /// Admin token for /admin/* and /dashboard (printed).
     #[arg(long, default_value = "demo")]
     pub admin_token: String,
     /// Also start a prefill + decode pair serving MODEL-pd (disaggregated serving).
@@ -143,6 +143,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
         println!("  curl -s {url}/v1/models");
         println!("  curl -s {url}/admin/fleet -H 'authorization: Bearer {}'", args.admin_token);
         println!("  curl -s {url}/metrics | grep ^switchyard_");
+        println!();
+        println!(
+            "Live dashboard: {url}/dashboard (the browser asks for credentials: any user name, \
+             the admin token `{}` as password)",
+            args.admin_token
+        );
         println!();
         println!("Ctrl-C to stop.");
         gateway.run_until(signal).await?;

@@ -107,8 +107,8 @@ pub struct FleetArgs {
     /// backend to drain.
     #[arg(long, default_value = "30", value_parser = parse_secs)]
     pub drain_timeout: Duration,
-    /// Token for /admin/* (sent as `Authorization: Bearer TOKEN`); without it the admin API
-    /// is disabled.
+    /// Token for /admin/* and /dashboard (sent as `Authorization: Bearer TOKEN`; the dashboard
+    /// also takes it as an HTTP Basic password); without it both are disabled.
     #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// A model alias NAME=MODEL (repeatable): a request for NAME is routed as MODEL (a base
