@@ -135,6 +135,9 @@ test("the dashboard shows the fleet live, under load and with a drained instance
     const explain = await page.textContent("#decisions tbody tr td.explain");
     assert.match(explain, /^policy=cost eligible=\d+/);
     if (process.env.DASHBOARD_SCREENSHOT) {
+      // For the picture in the docs: half a minute of history in the charts first.
+      await page.waitForFunction(() => Number(document.body.dataset.updates) >= 30,
+        null, { timeout: 60_000, polling: 500 });
       await page.screenshot({ path: process.env.DASHBOARD_SCREENSHOT, fullPage: true });
     }
 

@@ -44,6 +44,11 @@ pub const MAX_STREAMS: usize = 16;
 pub const STREAM_LIFETIME: Duration = Duration::from_secs(600);
 /// Fewest TTFT samples an instance needs in the window to count for the hot-spot indicator
 /// (a p99 of three samples says nothing).
+///
+/// The indicator is the worst instance's p99 TTFT over the median of the instances' p99s, as
+/// the recording rule `job:switchyard_ttft_hot_spot:max_ratio_5m`, not over the fleet's p99:
+/// with a few instances the slowest one makes the fleet's p99 itself, and the ratio stays near
+/// 1 however slow it is.
 pub const HOT_SPOT_MIN_SAMPLES: usize = 5;
 
 /// The page: HTML, CSS and plain JavaScript in one file, no build step.
@@ -277,6 +282,7 @@ pub fn snapshot(gw: &Gateway) -> Value {
 
     let mut fleet_ttft = Vec::new();
     let mut worst_p99: Option<(f64, String)> = None;
+    let mut p99s = Vec::new();
     let mut instances = Vec::with_capacity(rows.len());
     for r in &rows {
         let b = &r.backend;
@@ -286,6 +292,7 @@ pub fn snapshot(gw: &Gateway) -> Value {
         let p50 = quantile(&mut ttft, 0.5);
         let p99 = quantile(&mut ttft, 0.99);
         if let Some(p) = p99.filter(|_| samples >= HOT_SPOT_MIN_SAMPLES) {
+            p99s.push(p);
             if worst_p99.as_ref().is_none_or(|(w, _)| p > *w) {
                 worst_p99 = Some((p, b.name().to_string()));
             }
@@ -337,10 +344,11 @@ pub fn snapshot(gw: &Gateway) -> Value {
     }
     let fleet_p50 = quantile(&mut fleet_ttft, 0.5);
     let fleet_p99 = quantile(&mut fleet_ttft, 0.99);
-    let hot_spot = match (&worst_p99, fleet_p99) {
-        (Some((worst, name)), Some(fleet)) if fleet > 0.0 => json!({
-            "ratio": worst / fleet,
+    let hot_spot = match (&worst_p99, median(&mut p99s)) {
+        (Some((worst, name)), Some(typical)) if typical > 0.0 => json!({
+            "ratio": worst / typical,
             "instance": name,
+            "median_p99_s": typical,
         }),
         _ => Value::Null,
     };
@@ -373,6 +381,18 @@ pub fn snapshot(gw: &Gateway) -> Value {
         "series": series(now, &seconds, &rows),
         "decisions": decisions(gw, &names),
     })
+}
+
+/// The median of `values` (the mean of the middle two for an even count, as Prometheus'
+/// `quantile(0.5, ...)`); `None` when empty.
+fn median(values: &mut [f64]) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(values[n / 2]),
+        _ => Some((values[n / 2 - 1] + values[n / 2]) / 2.0),
+    }
 }
 
 /// The last [`SECONDS`] seconds, one entry per second, oldest first (seconds with no event
@@ -441,4 +461,35 @@ fn decisions(gw: &Gateway, names: &HashMap<InstanceId, String>) -> Vec<Value> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_as_prometheus_takes_them() {
+        assert_eq!(median(&mut []), None);
+        assert_eq!(median(&mut [3.0]), Some(3.0));
+        assert_eq!(median(&mut [4.0, 1.0]), Some(2.5));
+        assert_eq!(median(&mut [9.0, 1.0, 2.0]), Some(2.0));
+    }
+
+    #[test]
+    fn the_token_comes_as_bearer_or_as_basic_password() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, HeaderValue::from_str(v).unwrap());
+            presented(&h)
+        };
+        assert_eq!(with("Bearer abc").as_deref(), Some("abc"));
+        // "admin:abc" and ":a:b" (a password may hold colons; the user name may be empty).
+        assert_eq!(with("Basic YWRtaW46YWJj").as_deref(), Some("abc"));
+        assert_eq!(with("basic OmE6Yg==").as_deref(), Some("a:b"));
+        assert_eq!(with("Basic !!!"), None);
+        // No colon: no password.
+        assert_eq!(with("Basic YWJj"), None);
+        assert_eq!(with("Digest abc"), None);
+        assert_eq!(presented(&HeaderMap::new()), None);
+    }
 }
