@@ -1,4 +1,4 @@
-//! Live figures for the dashboard (`GET /dashboard`, [`crate::dashboard`]) that neither the
+//! Live figures for the dashboard (`GET /dashboard`, in the `dashboard` module) that neither the
 //! router nor the Prometheus metrics keep: the last decisions, per-second counts of where
 //! requests went and of how far the TTFT estimates were off, and each backend's recent TTFTs.
 //!
@@ -99,7 +99,7 @@ impl Inner {
 #[derive(Debug, Default)]
 pub struct Live {
     inner: Mutex<Inner>,
-    /// Dashboard event streams open now (capped by [`crate::dashboard::MAX_STREAMS`]).
+    /// Dashboard event streams open now (the dashboard caps them).
     pub streams: Arc<std::sync::atomic::AtomicUsize>,
 }
 
