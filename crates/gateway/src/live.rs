@@ -245,6 +245,92 @@ mod tests {
         assert_eq!(w.since((TTFT_SAMPLES * 3 - 10) as f64).len(), 10);
     }
 
+    /// Routes `n` requests (recorded as routed, never finished, so load builds up) and keeps
+    /// each decision in `live`.
+    fn route_all(
+        router: &mut switchyard_core::Router,
+        live: &Live,
+        request: &switchyard_core::RouteRequest<'_>,
+        n: u64,
+    ) -> Vec<switchyard_core::InstanceId> {
+        let mut chosen = Vec::new();
+        for k in 0..n {
+            let now = k as f64 * 0.01;
+            let decision = Arc::new(router.route(request, now).unwrap());
+            live.decided(now, RequestId(k), request.model, request.adapter, &decision);
+            let first = decision.best().unwrap();
+            let plan = decision.plan_for(first);
+            let routed = switchyard_core::Observation::Routed {
+                request: RequestId(k + 1000 * u64::from(request.adapter.is_some())),
+                instance: first,
+                plan,
+            };
+            router.observe(routed, now).unwrap();
+            chosen.push(first);
+        }
+        chosen
+    }
+
+    #[test]
+    fn decisions_count_cache_moves_and_adapter_swaps() {
+        use switchyard_core::{InstanceSpec, RouteRequest, Router};
+        let mut router = Router::new(Default::default()).unwrap();
+        for name in ["a", "b"] {
+            let spec = InstanceSpec {
+                models: vec!["m".into()],
+                adapters: vec!["lora".into()],
+                adapter_slots: 1,
+                ..InstanceSpec::new(name, name)
+            };
+            router.add_instance(spec).unwrap();
+        }
+        let live = Live::default();
+        // One long prompt again and again: it is cached where it went first, and moved to the
+        // other instance once queueing there costs more than prefilling it again.
+        let prompt = "the same long prompt ".repeat(400);
+        let chosen = route_all(&mut router, &live, &RouteRequest::text("m", &prompt), 30);
+        let moved = chosen.iter().filter(|&&c| c != chosen[0]).count() as u32;
+        assert!(moved > 0, "never moved: the test needs another setup");
+        let seconds = live.seconds();
+        let moves: u32 = seconds.iter().map(|s| s.cache_moves).sum();
+        assert!(
+            moves > 0 && moves <= moved,
+            "{moves} moves, {moved} away from the first"
+        );
+        assert_eq!(seconds.iter().map(|s| s.adapter_swaps).sum::<u32>(), 0);
+        // The first request for an adapter loads it; the next ones find it resident.
+        let with_adapter = RouteRequest {
+            adapter: Some("lora"),
+            ..RouteRequest::text("m", "short")
+        };
+        route_all(&mut router, &live, &with_adapter, 3);
+        let swaps: u32 = live.seconds().iter().map(|s| s.adapter_swaps).sum();
+        assert!((1..=2).contains(&swaps), "{swaps} swaps");
+        let total: u32 = live.seconds().iter().map(|s| s.total).sum();
+        assert_eq!(total, 33);
+        assert_eq!(live.decisions().len(), 33);
+    }
+
+    #[test]
+    fn the_decision_ring_keeps_the_last() {
+        let mut router = switchyard_core::Router::new(Default::default()).unwrap();
+        let spec = switchyard_core::InstanceSpec {
+            models: vec!["m".into()],
+            ..switchyard_core::InstanceSpec::new("a", "a")
+        };
+        router.add_instance(spec).unwrap();
+        let live = Live::default();
+        let request = switchyard_core::RouteRequest::text("m", "hi");
+        route_all(&mut router, &live, &request, (DECISIONS * 3) as u64);
+        let kept = live.decisions();
+        assert_eq!(kept.len(), DECISIONS);
+        assert_eq!(kept[0].request, RequestId((DECISIONS * 2) as u64));
+        assert_eq!(
+            kept[DECISIONS - 1].request,
+            RequestId((DECISIONS * 3 - 1) as u64)
+        );
+    }
+
     #[test]
     fn buckets_stay_bounded_and_in_order() {
         let live = Live::default();
