@@ -164,13 +164,7 @@ fn route_once(
     });
     let prompt_tokens = decision.prompt_tokens;
     let decision = Arc::new(decision);
-    gw.live.decided(
-        now,
-        rid,
-        &prepared.target.model,
-        prepared.target.adapter.as_deref(),
-        &decision,
-    );
+    let kept = decision.clone();
     let routed = Routed {
         rid,
         decision: Some(decision),
@@ -187,6 +181,15 @@ fn route_once(
             plan,
         },
         now,
+    );
+    drop(guard);
+    // After the router's lock: the dashboard's ring has its own.
+    gw.live.decided(
+        now,
+        rid,
+        &prepared.target.model,
+        prepared.target.adapter.as_deref(),
+        &kept,
     );
     Ok(RouteStep::Go(routed))
 }
