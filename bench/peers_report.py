@@ -16,10 +16,11 @@ import os
 import re
 import sys
 
-ROUTER_ORDER = ["switchyard", "sglang", "vllm", "nginx"]
+ROUTER_ORDER = ["switchyard", "envoy-epp", "sglang", "vllm", "nginx"]
 ROUTER_NAMES = {
     "direct": "direct (engine 1)",
     "switchyard": "switchyard `cost`",
+    "envoy-epp": "Envoy + switchyard epp `cost`",
     "sglang": "sglang-router `cache_aware`",
     "vllm": "vllm-router `cache_aware`",
     "nginx": "nginx round robin",
