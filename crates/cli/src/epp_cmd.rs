@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use switchyard_epp::discovery::{default_namespace, PoolSettings};
+use switchyard_epp::tls::TlsSettings;
 use switchyard_epp::{BodyWatch, EppSettings};
 use switchyard_gateway::Settings;
 
@@ -66,6 +67,14 @@ pub struct EppArgs {
     /// when set, else the in-cluster service account).
     #[arg(long, value_name = "FILE", requires = "pool_name")]
     pub kubeconfig: Option<PathBuf>,
+    /// Serve ext_proc over TLS, as GIE's reference picker does by default (with a self-signed
+    /// certificate unless --cert-path names one); for Gateways configured to speak TLS to it.
+    #[arg(long)]
+    pub secure_serving: bool,
+    /// Directory holding `tls.crt` and `tls.key` (PEM) for --secure-serving (a Kubernetes TLS
+    /// secret mounted as a volume).
+    #[arg(long, value_name = "DIR", requires = "secure_serving")]
+    pub cert_path: Option<PathBuf>,
     #[command(flatten)]
     pub fleet: FleetArgs,
 }
@@ -119,6 +128,10 @@ pub fn settings(args: &EppArgs) -> Result<EppSettings> {
             ResponseBodies::Skip => BodyWatch::Skip,
         },
         pool,
+        tls: args.secure_serving.then(|| match &args.cert_path {
+            Some(dir) => TlsSettings::Files(dir.clone()),
+            None => TlsSettings::SelfSigned,
+        }),
     })
 }
 

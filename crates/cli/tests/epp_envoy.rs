@@ -75,6 +75,28 @@ fn grpc_port(epp: &Proc) -> u16 {
 }
 
 async fn start_envoy(bin: &PathBuf, epp: &Proc, config: Config<'_>, body_mode: &str) -> Envoy {
+    start_envoy_with(bin, epp, config, body_mode, false).await
+}
+
+/// Envoy's side of `--secure-serving`: TLS to the picker without verifying its certificate, as
+/// the GIE guides configure gateways for the reference picker's self-signed one.
+const EPP_CLUSTER_TLS: &str = "    - name: epp
+      type: STATIC
+      transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+          common_tls_context:
+            alpn_protocols: [h2]
+";
+
+async fn start_envoy_with(
+    bin: &PathBuf,
+    epp: &Proc,
+    config: Config<'_>,
+    body_mode: &str,
+    tls: bool,
+) -> Envoy {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/envoy/");
     let (file, endpoints) = match config {
         Config::OverrideHost(addrs) => (
@@ -100,6 +122,13 @@ async fn start_envoy(bin: &PathBuf, epp: &Proc, config: Config<'_>, body_mode: &
         .replace("${EPP_PORT}", &grpc_port(epp).to_string())
         .replace("${RESPONSE_BODY_MODE}", body_mode)
         .replace("${ENDPOINTS}", &endpoints);
+    let text = if tls {
+        let plain = "    - name: epp\n      type: STATIC\n";
+        assert!(text.contains(plain), "the epp cluster in {file}");
+        text.replace(plain, EPP_CLUSTER_TLS)
+    } else {
+        text
+    };
     let dir = std::env::temp_dir().join(format!(
         "switchyard-envoy-{}-{}",
         std::process::id(),
@@ -482,4 +511,45 @@ async fn a_disaggregated_request_names_the_decode_pod_and_its_prefiller() {
     let echoed = format!("{b:?}");
     assert!(echoed.contains("end_of_stream: true"), "{echoed}");
     drop(tx);
+}
+
+#[tokio::test]
+async fn with_secure_serving_envoy_reaches_the_picker_over_tls() {
+    let Some(bin) = envoy_binary() else { return };
+    let (a, b) = (engine(&[]), engine(&[]));
+    let picker = epp(&[
+        "--secure-serving",
+        "--backend",
+        &backend(&a),
+        "--backend",
+        &backend(&b),
+    ]);
+    wait_healthy(&picker, 2).await;
+    let addrs = [a.authority(), b.authority()];
+    let c = client();
+    // Plaintext HTTP/2 to the TLS port fails: the port really is TLS.
+    let plain = start_envoy(&bin, &picker, Config::OverrideHost(&addrs), "NONE").await;
+    let url = format!("{}/v1/chat/completions", plain.base);
+    let r = post(&c, &url, &shared_prefix_chat(0, false)).await;
+    assert_ne!(r.status, 200, "plaintext reached a TLS picker: {}", r.text);
+    drop(plain);
+    let envoy = start_envoy_with(
+        &bin,
+        &picker,
+        Config::OverrideHost(&addrs),
+        "FULL_DUPLEX_STREAMED",
+        true,
+    )
+    .await;
+    let url = format!("{}/v1/chat/completions", envoy.base);
+    let mut served = Vec::new();
+    for i in 0..4 {
+        let r = post(&c, &url, &shared_prefix_chat(i, false)).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        served.push(
+            r.header("x-gateway-destination-endpoint-served")
+                .expect("the picker chose the endpoint"),
+        );
+    }
+    assert!(served.iter().all(|s| *s == served[0]), "{served:?}");
 }

@@ -15,6 +15,7 @@ pub mod discovery;
 pub mod exchange;
 pub mod messages;
 pub mod service;
+pub mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -51,6 +52,8 @@ pub struct EppSettings {
     pub bodies: BodyWatch,
     /// The `InferencePool` to discover the fleet from (instead of backends and a fleet file).
     pub pool: Option<discovery::PoolSettings>,
+    /// TLS on the ext_proc port (none: plaintext HTTP/2).
+    pub tls: Option<tls::TlsSettings>,
 }
 
 /// Why the picker could not start or stopped.
@@ -73,6 +76,9 @@ pub enum EppError {
     /// A server stopped with an error.
     #[error("serve: {0}")]
     Serve(String),
+    /// The ext_proc port's TLS could not be set up.
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 /// A started picker.
@@ -149,8 +155,14 @@ pub async fn start(settings: EppSettings) -> Result<RunningEpp, EppError> {
         }));
     }
     let shutdown = until_stopped();
+    let mut grpc_server = tonic::transport::Server::builder();
+    if let Some(tls) = &settings.tls {
+        grpc_server = grpc_server
+            .tls_config(tls::server_config(tls)?)
+            .map_err(|e| EppError::Tls(e.to_string()))?;
+    }
     tasks.push(tokio::spawn(async move {
-        tonic::transport::Server::builder()
+        grpc_server
             .add_service(picker)
             // Small messages both ways on one connection: Nagle would hold each answer back.
             .serve_with_incoming_shutdown(
