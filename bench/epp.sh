@@ -17,7 +17,8 @@
 # request. Everything stops by itself and is removed on exit.
 #
 # Usage: bash bench/epp.sh      Knobs: RATE DURATION WARMUP REPEATS WORDS EPP_THREADS (the
-# pickers' --worker-threads; default: one per CPU)
+# pickers' --worker-threads; default: one per CPU); BASELINE=PATH (another build's `switchyard`)
+# adds `envoy-epp-baseline`, envoy-epp over a picker run from that binary, in the same rounds.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -62,6 +63,12 @@ address epp "$EPP_PID" >/dev/null
 start epp-nobody "$SY" epp --grpc-port 0 --response-bodies skip "${EPP_ARGS[@]}"
 EPP2_PID=$LAST_PID
 address epp-nobody "$EPP2_PID" >/dev/null
+if [[ -n ${BASELINE:-} ]]; then
+    [[ -x $BASELINE ]] || die "BASELINE=$BASELINE is not an executable"
+    start epp-base "$BASELINE" epp --grpc-port 0 "${EPP_ARGS[@]}"
+    BASE_PID=$LAST_PID
+    address epp-base "$BASE_PID" >/dev/null
+fi
 start null-picker "$NULL_PICKER" --backend "$E1" --backend "$E2"
 NULL_PID=$LAST_PID
 address null-picker "$NULL_PID" >/dev/null
@@ -115,8 +122,12 @@ envoy_with envoy-epp "$(picker_config "$(grpc_of epp)" FULL_DUPLEX_STREAMED)"
 envoy_with envoy-epp-nobody "$(picker_config "$(grpc_of epp-nobody)" NONE)"
 envoy_with envoy-null "$(picker_config "$(grpc_of null-picker)" FULL_DUPLEX_STREAMED)"
 declare -A PICKER=([envoy-epp]=$EPP_PID [envoy-epp-nobody]=$EPP2_PID [envoy-null]=$NULL_PID)
-
 TARGETS=(direct envoy-rr envoy-null envoy-epp envoy-epp-nobody)
+if [[ -n ${BASELINE:-} ]]; then
+    envoy_with envoy-epp-baseline "$(picker_config "$(grpc_of epp-base)" FULL_DUPLEX_STREAMED)"
+    PICKER[envoy-epp-baseline]=$BASE_PID
+    TARGETS=(direct envoy-rr envoy-null envoy-epp-baseline envoy-epp envoy-epp-nobody)
+fi
 declare -A P50 P99 CPU
 for round in $(seq 1 "$REPEATS"); do
     log "[round $round/$REPEATS, $RATE req/s]"

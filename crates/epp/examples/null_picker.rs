@@ -50,7 +50,9 @@ fn answer(
         Some(Message::ResponseHeaders(_)) => vec![messages::response_headers_unchanged()],
         Some(Message::ResponseBody(b)) => vec![messages::response_body(&b.body, b.end_of_stream)],
         Some(Message::ResponseTrailers(_)) => vec![messages::trailers(false)],
-        // Headers are answered with the body (full-duplex mode), as the picker does.
+        // A request without a body is routed at its headers.
+        Some(Message::RequestHeaders(h)) if h.end_of_stream => vec![messages::routed(&pick(), &[])],
+        // Otherwise the headers are answered with the body (full-duplex mode), as the picker does.
         Some(Message::RequestHeaders(_)) | None => Vec::new(),
     }
 }
