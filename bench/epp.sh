@@ -6,15 +6,19 @@
 # `envoy-rr` (round robin over the two, no ext_proc) and `envoy-epp`
 # (deploy/envoy/epp-override-host.yaml: every request streamed to the picker, response bodies
 # too), plus `envoy-epp-nobody` (the same with `response_body_mode: NONE` and a second picker
-# run with `--response-bodies skip`). All on 127.0.0.1. Each target gets the open-loop load
+# run with `--response-bodies skip`), and `envoy-null`: the envoy-epp file over a do-nothing
+# ext_proc server (crates/epp/examples/null_picker.rs: the same messages, no parsing, round
+# robin), which sets Envoy's ext_proc machinery and the gRPC round trips apart from the
+# picker's own work. All on 127.0.0.1. Each target gets the open-loop load
 # generator (crates/gateway/examples/overhead.rs) at RATE req/s (default 1000): a 2,048-token
 # chat request, non-streamed, latency to the complete response; DURATION s after WARMUP s,
-# REPEATS rounds of direct -> envoy-rr -> envoy-epp -> envoy-epp-nobody. The table shows the
+# REPEATS rounds of direct -> envoy-rr -> envoy-null -> envoy-epp -> envoy-epp-nobody. The table shows the
 # median over rounds, the latency added over Envoy round robin, and the picker's CPU per
 # request. Everything stops by itself and is removed on exit.
 #
 # Usage: bash bench/epp.sh      Knobs: RATE DURATION WARMUP REPEATS WORDS EPP_THREADS (the
-# pickers' --worker-threads; default: one per CPU)
+# pickers' --worker-threads; default: one per CPU); BASELINE=PATH (another build's `switchyard`)
+# adds `envoy-epp-baseline`, envoy-epp over a picker run from that binary, in the same rounds.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -30,57 +34,24 @@ die() {
     log "error: $*"
     exit 1
 }
+# shellcheck source=bench/lib.sh
+source "$ROOT/bench/lib.sh"
 
 log "building (release)..."
 (cd "$ROOT" && cargo build --release --quiet -p switchyard --bin switchyard \
-    -p switchyard-gateway --example overhead) || die "build failed"
+    -p switchyard-gateway --example overhead -p switchyard-epp --example null_picker) ||
+    die "build failed"
 SY=$ROOT/target/release/switchyard
 GEN=$ROOT/target/release/examples/overhead
+NULL_PICKER=$ROOT/target/release/examples/null_picker
 bash "$ROOT/scripts/python-env.sh" >/dev/null
 ENVOY=$ROOT/.venv/bin/envoy
 [[ -x $ENVOY ]] || die "no Envoy at $ENVOY"
 
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/switchyard-epp-bench.XXXXXX")
-PIDS=()
-cleanup() {
-    local pid
-    for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for pid in "${PIDS[@]}"; do
-        for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        kill -KILL "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
-    [[ -n ${KEEP:-} ]] || rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-start() { # NAME CMD...: background process; sets LAST_PID
-    local name=$1
-    shift
-    exec "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
-    LAST_PID=$!
-    PIDS+=("$LAST_PID")
-}
-address() { # NAME PID -> the http URL of its `listening on` line
-    local url
-    for _ in $(seq 1 200); do
-        if url=$(grep -o -m1 'http://[0-9.]*:[0-9]*' "$TMP/$1.out" 2>/dev/null); then
-            echo "$url"
-            return
-        fi
-        kill -0 "$2" 2>/dev/null || { cat "$TMP/$1.err" >&2; die "$1 exited"; }
-        sleep 0.05
-    done
-    die "$1 printed no address"
-}
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+bench_processes epp-bench
 HZ=$(getconf CLK_TCK)
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print 0; else if (NR%2) print a[(NR+1)/2]; else printf "%.1f\n", (a[NR/2]+a[NR/2+1])/2}'; }
-field() { local kv; for kv in $1; do [[ $kv == "$2="* ]] && { echo "${kv#*=}"; return; }; done; echo 0; }
 
-log "starting 2 instant emulators, two pickers and three Envoys..."
+log "starting 2 instant emulators, three pickers and four Envoys..."
 start e1 "$SY" engine --instant --port 0 --model "$MODEL" --seed 1
 E1=$(address e1 "$LAST_PID")
 start e2 "$SY" engine --instant --port 0 --model "$MODEL" --seed 2
@@ -92,6 +63,15 @@ address epp "$EPP_PID" >/dev/null
 start epp-nobody "$SY" epp --grpc-port 0 --response-bodies skip "${EPP_ARGS[@]}"
 EPP2_PID=$LAST_PID
 address epp-nobody "$EPP2_PID" >/dev/null
+if [[ -n ${BASELINE:-} ]]; then
+    [[ -x $BASELINE ]] || die "BASELINE=$BASELINE is not an executable"
+    start epp-base "$BASELINE" epp --grpc-port 0 "${EPP_ARGS[@]}"
+    BASE_PID=$LAST_PID
+    address epp-base "$BASE_PID" >/dev/null
+fi
+start null-picker "$NULL_PICKER" --backend "$E1" --backend "$E2"
+NULL_PID=$LAST_PID
+address null-picker "$NULL_PID" >/dev/null
 grpc_of() { grep -o -m1 'grpc=[0-9.]*:[0-9]*' "$TMP/$1.out" | cut -d: -f2; }
 
 endpoints() {
@@ -140,9 +120,14 @@ URL[direct]=$E1
 envoy_with envoy-rr "$(rr_config)"
 envoy_with envoy-epp "$(picker_config "$(grpc_of epp)" FULL_DUPLEX_STREAMED)"
 envoy_with envoy-epp-nobody "$(picker_config "$(grpc_of epp-nobody)" NONE)"
-declare -A PICKER=([envoy-epp]=$EPP_PID [envoy-epp-nobody]=$EPP2_PID)
-
-TARGETS=(direct envoy-rr envoy-epp envoy-epp-nobody)
+envoy_with envoy-null "$(picker_config "$(grpc_of null-picker)" FULL_DUPLEX_STREAMED)"
+declare -A PICKER=([envoy-epp]=$EPP_PID [envoy-epp-nobody]=$EPP2_PID [envoy-null]=$NULL_PID)
+TARGETS=(direct envoy-rr envoy-null envoy-epp envoy-epp-nobody)
+if [[ -n ${BASELINE:-} ]]; then
+    envoy_with envoy-epp-baseline "$(picker_config "$(grpc_of epp-base)" FULL_DUPLEX_STREAMED)"
+    PICKER[envoy-epp-baseline]=$BASE_PID
+    TARGETS=(direct envoy-rr envoy-null envoy-epp-baseline envoy-epp envoy-epp-nobody)
+fi
 declare -A P50 P99 CPU
 for round in $(seq 1 "$REPEATS"); do
     log "[round $round/$REPEATS, $RATE req/s]"
@@ -180,7 +165,7 @@ for t in "${TARGETS[@]}"; do
     p99=$(med "${P99[$t]}")
     add50=—
     add99=—
-    if [[ $t == envoy-epp* ]]; then
+    if [[ $t == envoy-epp* || $t == envoy-null ]]; then
         add50=$(awk -v a="$p50" -v b="$rr50" 'BEGIN{printf "%+.1f", a-b}')
         add99=$(awk -v a="$p99" -v b="$rr99" 'BEGIN{printf "%+.1f", a-b}')
     fi

@@ -9,6 +9,9 @@
 #   address NAME PID       the URL of the process's `listening on` line (60 s at most)
 #   free_port              a free port on 127.0.0.1
 #   install_nginx          Debian's nginx-light if no nginx is installed; sets NGINX
+#   cpu_ticks PID...       user + system clock ticks those processes have used
+#   median                 the median of the numbers on stdin (0 if none)
+#   field LINE KEY         the value of KEY=VALUE in a line of such pairs (0 if absent)
 
 bench_processes() {
     TMP=$(mktemp -d "${TMPDIR:-/tmp}/switchyard-$1.XXXXXX")
@@ -87,4 +90,28 @@ install_nginx() {
     fi
     # shellcheck disable=SC2034 # used by the scripts that source this
     NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+}
+
+cpu_ticks() {
+    local t=0 p v
+    for p in "$@"; do
+        v=$(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)
+        t=$((t + v))
+    done
+    echo "$t"
+}
+
+median() {
+    sort -g | awk '{a[NR]=$1} END {if (NR==0) print 0; else if (NR%2) print a[(NR+1)/2]; else printf "%.1f\n", (a[NR/2]+a[NR/2+1])/2}'
+}
+
+field() {
+    local kv
+    for kv in $1; do
+        [[ $kv == "$2="* ]] && {
+            echo "${kv#*=}"
+            return
+        }
+    done
+    echo 0
 }

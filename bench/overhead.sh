@@ -22,12 +22,15 @@
 # go idle between requests (on a VM every wake-up from idle costs tens to hundreds of µs, and
 # that shows up in every target's latency); `busy` keeps it out of idle with a SCHED_IDLE spin
 # loop, which yields to any real work at once, so what remains is the work on the request path.
-# STREAM=1 adds streamed rows. Everything stops by itself and every process and temp file is
+# STREAM=1 adds streamed rows. BASELINE=PATH (another build's `switchyard` binary) adds a
+# `baseline` target served by it, measured in the same rounds as `switchyard` (before/after
+# comparisons without the drift between runs). Everything stops by itself and every process and temp file is
 # removed on exit, failure or Ctrl-C.
 #
 # Usage: bash bench/overhead.sh
 # Knobs (environment): RATES DURATION WARMUP REPEATS IDLE SEARCH SEARCH_START SEARCH_MAX
 #   SEARCH_DURATION SEARCH_WARMUP SEARCH_TRIES P99_LIMIT_US PIN STREAM WORDS MAX_TOKENS QUIET_WAIT
+#   BASELINE
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -49,6 +52,7 @@ STREAM=${STREAM:-0}
 WORDS=${WORDS:-2048}
 MAX_TOKENS=${MAX_TOKENS:-4}
 QUIET_WAIT=${QUIET_WAIT:-120}
+BASELINE=${BASELINE:-}
 MODEL=m
 
 case $PIN in
@@ -81,6 +85,8 @@ die() {
     log "error: $*"
     exit 1
 }
+# shellcheck source=bench/lib.sh
+source "$ROOT/bench/lib.sh"
 
 # --- build ------------------------------------------------------------------------------
 log "building (release)..."
@@ -88,41 +94,24 @@ log "building (release)..."
     -p switchyard-gateway --example overhead) || die "build failed"
 SY=$ROOT/target/release/switchyard
 GEN=$ROOT/target/release/examples/overhead
-
-# --- nginx ------------------------------------------------------------------------------
-if ! command -v nginx >/dev/null 2>&1 && [[ ! -x /usr/sbin/nginx ]]; then
-    log "installing nginx (Debian package)..."
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y nginx >/dev/null 2>&1 ||
-        { apt-get update >/dev/null && apt-get install -y nginx >/dev/null; } ||
-        die "cannot install nginx"
+if [[ -n $BASELINE ]]; then
+    [[ -x $BASELINE ]] || die "BASELINE=$BASELINE is not an executable"
 fi
-NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 
-# --- processes and cleanup --------------------------------------------------------------
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/switchyard-overhead.XXXXXX")
-PIDS=()
-cleanup() {
-    local pid
-    for pid in "${PIDS[@]}"; do
-        kill -TERM "$pid" 2>/dev/null || true
-    done
-    for _ in $(seq 1 50); do
-        local alive=0
-        for pid in "${PIDS[@]}"; do
-            kill -0 "$pid" 2>/dev/null && alive=1
-        done
-        ((alive)) || break
-        sleep 0.1
-    done
-    for pid in "${PIDS[@]}"; do
-        kill -KILL "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
-    rm -rf "$TMP"
+install_nginx
+bench_processes overhead
+
+# start_on NAME CPU CMD...: `start` pinned to CPU (anywhere when CPU is empty); sets LAST_PID
+start_on() {
+    local name=$1 cpu=$2
+    shift 2
+    if [[ -n $cpu ]]; then
+        # taskset execs the command: the recorded pid is still the process itself.
+        start "$name" taskset -c "$cpu" "$@"
+    else
+        start "$name" "$@"
+    fi
 }
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 
 pinned() { # CPU CMD... : runs CMD on CPU (or anywhere when CPU is empty)
     local cpu=$1
@@ -134,35 +123,7 @@ pinned() { # CPU CMD... : runs CMD on CPU (or anywhere when CPU is empty)
     fi
 }
 
-# start NAME CPU CMD...: background process, stdout/stderr in $TMP/NAME.{out,err}; sets LAST_PID
-start() {
-    local name=$1 cpu=$2
-    shift 2
-    # exec: the recorded pid is the process itself (so it can be stopped and measured).
-    if [[ -n $cpu ]]; then
-        exec taskset -c "$cpu" "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
-    else
-        exec "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
-    fi
-    LAST_PID=$!
-    PIDS+=("$LAST_PID")
-}
-
-# address NAME PID: the URL from the process's `listening on` line
-address() {
-    local url
-    for _ in $(seq 1 200); do
-        if url=$(grep -o -m1 'http://[0-9.]*:[0-9]*' "$TMP/$1.out" 2>/dev/null); then
-            echo "$url"
-            return
-        fi
-        kill -0 "$2" 2>/dev/null || { cat "$TMP/$1.err" >&2; die "$1 exited"; }
-        sleep 0.05
-    done
-    die "$1 printed no address"
-}
-
-wait_ok() { # URL PATH METHOD
+wait_ok() { # URL
     for _ in $(seq 1 200); do
         curl -sf -o /dev/null --max-time 1 "$1" && return
         sleep 0.05
@@ -170,14 +131,6 @@ wait_ok() { # URL PATH METHOD
     die "$1 does not answer"
 }
 
-cpu_ticks() { # PID... -> user+system clock ticks of those processes
-    local t=0 p v
-    for p in "$@"; do
-        v=$(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)
-        t=$((t + v))
-    done
-    echo "$t"
-}
 busy_ticks() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }
 HZ=$(getconf CLK_TCK)
 
@@ -204,19 +157,27 @@ wait_quiet() {
 
 # --- start the fleet --------------------------------------------------------------------
 log "starting 2 instant emulators, switchyard serve and nginx (PIN=$PIN)..."
-start e1 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 1
+start_on e1 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 1
 E1_PID=$LAST_PID
-start e2 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 2
+start_on e2 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 2
 E2_PID=$LAST_PID
 E1=$(address e1 "$E1_PID")
 E2=$(address e2 "$E2_PID")
 
-start switchyard "$SUT_CPU" "$SY" serve --listen 127.0.0.1:0 --policy cost "${SW_THREADS[@]}" \
+start_on switchyard "$SUT_CPU" "$SY" serve --listen 127.0.0.1:0 --policy cost "${SW_THREADS[@]}" \
     --backend "$E1" --backend "$E2"
 SW_PID=$LAST_PID
 SW=$(address switchyard "$SW_PID")
+TARGETS=(direct switchyard nginx)
+if [[ -n $BASELINE ]]; then
+    start_on baseline "$SUT_CPU" "$BASELINE" serve --listen 127.0.0.1:0 --policy cost \
+        "${SW_THREADS[@]}" --backend "$E1" --backend "$E2"
+    BASE_PID=$LAST_PID
+    BASE=$(address baseline "$BASE_PID")
+    TARGETS=(direct baseline switchyard nginx)
+fi
 
-NGINX_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+NGINX_PORT=$(free_port)
 mkdir -p "$TMP/nginx"
 cat >"$TMP/nginx/nginx.conf" <<EOF
 # Generated by bench/overhead.sh: round robin over the two emulators, keep-alive both sides.
@@ -257,17 +218,18 @@ http {
     }
 }
 EOF
-start nginx "$SUT_CPU" "$NGINX" -e "$TMP/nginx/error.log" -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf"
+start_on nginx "$SUT_CPU" "$NGINX" -e "$TMP/nginx/error.log" -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf"
 NG_PID=$LAST_PID
 NG=http://127.0.0.1:$NGINX_PORT
 wait_ok "$NG/v1/models"
 wait_ok "$SW/health"
+[[ -z $BASELINE ]] || wait_ok "$BASE/health"
 NG_PIDS=("$NG_PID" $(pgrep -P "$NG_PID" || true))
 
 log "direct: $E1 (and $E2); switchyard: $SW; nginx: $NG"
 
 # --- one run ----------------------------------------------------------------------------
-declare -A URL=([direct]=$E1 [switchyard]=$SW [nginx]=$NG)
+declare -A URL=([direct]=$E1 [switchyard]=$SW [nginx]=$NG [baseline]=${BASE:-})
 
 # run TARGET RATE DURATION WARMUP [generator args...] -> prints the RESULT fields plus
 # proxy_cpu_us (proxy CPU per request), backend_cpu_us, other_pct (CPU used outside our
@@ -278,6 +240,7 @@ run() {
     local proxy_pids=() backend_pids=("$E1_PID" "$E2_PID")
     case $target in
     switchyard) proxy_pids=("$SW_PID") ;;
+    baseline) proxy_pids=("$BASE_PID") ;;
     nginx) proxy_pids=("${NG_PIDS[@]}") ;;
     esac
     local p0 b0 all0 p1 b1 all1 s0 s1 line
@@ -308,17 +271,6 @@ run() {
         }'
 }
 
-field() { # LINE KEY
-    local kv
-    for kv in $1; do
-        [[ $kv == "$2="* ]] && {
-            echo "${kv#*=}"
-            return
-        }
-    done
-    echo 0
-}
-
 show() { # LINE: one log line per run
     local l=$1
     log "$(printf '  %-10s %6s req/s: achieved %7s, p50 %7s µs, p99 %8s µs, p99.9 %8s µs, errors %s, late(p99) %s µs, proxy CPU %s µs/req, gen CPU %s%%, other %s%%' \
@@ -326,8 +278,6 @@ show() { # LINE: one log line per run
         "$(field "$l" p99_us)" "$(field "$l" p999_us)" "$(( $(field "$l" errors) + $(field "$l" timeouts) ))" \
         "$(field "$l" lag_p99_us)" "$(field "$l" proxy_cpu_us)" "$(field "$l" gen_cpu_pct)" "$(field "$l" other_pct)")"
 }
-
-median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print 0; else if (NR%2) print a[(NR+1)/2]; else printf "%.1f\n", (a[NR/2]+a[NR/2+1])/2}'; }
 
 SPIN_PID=""
 
@@ -358,7 +308,7 @@ for idle in $IDLE; do
         for rate in $RATES; do
             for round in $(seq 1 "$REPEATS"); do
                 log "[$mode, CPU $idle, $rate req/s, round $round/$REPEATS]"
-                for target in direct switchyard nginx; do
+                for target in "${TARGETS[@]}"; do
                     line=$(run "$target" "$rate" "$DURATION" "$WARMUP" "${extra[@]}")
                     show "$line"
                     echo "mode=$mode idle=$idle round=$round $line" >>"$RESULTS"
@@ -437,7 +387,7 @@ for idle in $IDLE; do
             d50=$(stat_of "$mode" "$idle" "$rate" direct p50_us)
             d99=$(stat_of "$mode" "$idle" "$rate" direct p99_us)
             d999=$(stat_of "$mode" "$idle" "$rate" direct p999_us)
-            for target in direct switchyard nginx; do
+            for target in "${TARGETS[@]}"; do
                 a=$(stat_of "$mode" "$idle" "$rate" "$target" achieved)
                 p50=$(stat_of "$mode" "$idle" "$rate" "$target" p50_us)
                 p99=$(stat_of "$mode" "$idle" "$rate" "$target" p99_us)
@@ -469,13 +419,19 @@ fi
 if [[ " $RATES " == *" 2000 "* ]]; then
     echo
     for idle in $IDLE; do
-        sw50=$(stat_of plain "$idle" 2000 switchyard p50_us)
-        sw99=$(stat_of plain "$idle" 2000 switchyard p99_us)
         d50=$(stat_of plain "$idle" 2000 direct p50_us)
         d99=$(stat_of plain "$idle" 2000 direct p99_us)
-        awk -v a="$sw50" -v b="$sw99" -v c="$d50" -v d="$d99" -v i="$idle" 'BEGIN {
-            x = a - c; y = b - d
-            printf "Target at 2,000 req/s, CPU 1 %s (added < 50 µs at p50, < 250 µs at p99): p50 %+.1f µs %s, p99 %+.1f µs %s\n",
-                i, x, (x < 50 ? "MET" : "NOT MET"), y, (y < 250 ? "MET" : "NOT MET") }'
+        sw50=$(stat_of plain "$idle" 2000 switchyard p50_us)
+        sw99=$(stat_of plain "$idle" 2000 switchyard p99_us)
+        swc=$(stat_of plain "$idle" 2000 switchyard proxy_cpu_us)
+        ng50=$(stat_of plain "$idle" 2000 nginx p50_us)
+        ng99=$(stat_of plain "$idle" 2000 nginx p99_us)
+        ngc=$(stat_of plain "$idle" 2000 nginx proxy_cpu_us)
+        awk -v a="$sw50" -v b="$sw99" -v c="$d50" -v d="$d99" -v e="$ng50" -v f="$ng99" \
+            -v sc="$swc" -v nc="$ngc" -v i="$idle" 'BEGIN {
+            x = a - c; y = b - d; nx = e - c; ny = f - d
+            printf "Target (#12) at 2,000 req/s, CPU 1 %s (added latency and CPU per request at or below nginx'"'"'s): p50 %+.1f vs %+.1f µs %s, p99 %+.1f vs %+.1f µs %s, CPU %s vs %s µs %s\n",
+                i, x, nx, (x <= nx ? "MET" : "NOT MET"), y, ny, (y <= ny ? "MET" : "NOT MET"),
+                sc, nc, (sc <= nc ? "MET" : "NOT MET") }'
     done
 fi

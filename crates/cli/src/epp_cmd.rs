@@ -138,11 +138,7 @@ pub fn settings(args: &EppArgs) -> Result<EppSettings> {
 /// Runs `switchyard epp`.
 pub fn run(args: EppArgs) -> Result<()> {
     let settings = settings(&args)?;
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = args.fleet.worker_threads {
-        builder.worker_threads(usize::from(n));
-    }
-    let runtime = builder.enable_all().build()?;
+    let runtime = args.fleet.runtime()?;
     runtime.block_on(async move {
         let signal = switchyard_emulator::shutdown_signal()?;
         let epp = switchyard_epp::start(settings).await?;

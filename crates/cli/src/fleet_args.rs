@@ -131,6 +131,22 @@ pub struct FleetArgs {
 }
 
 impl FleetArgs {
+    /// The runtime that serves: `--worker-threads 1` gets tokio's single-threaded scheduler
+    /// (everything on the one thread, with none of the multi-threaded one's bookkeeping: it read
+    /// the clock eight times a request); otherwise the multi-threaded one with that many workers.
+    pub fn runtime(&self) -> std::io::Result<tokio::runtime::Runtime> {
+        let mut builder = match self.worker_threads {
+            Some(1) => tokio::runtime::Builder::new_current_thread(),
+            Some(n) => {
+                let mut b = tokio::runtime::Builder::new_multi_thread();
+                b.worker_threads(usize::from(n));
+                b
+            }
+            None => tokio::runtime::Builder::new_multi_thread(),
+        };
+        builder.enable_all().build()
+    }
+
     /// The router settings: the file's (or the defaults), with the policy and saturation
     /// flags over them; not yet validated (callers may change more).
     pub fn router(&self) -> Result<RouterConfig> {

@@ -207,11 +207,7 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
 /// Runs `switchyard serve`.
 pub fn run(args: ServeArgs) -> Result<()> {
     let settings = settings(&args)?;
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = args.fleet.worker_threads {
-        builder.worker_threads(usize::from(n));
-    }
-    let runtime = builder.enable_all().build()?;
+    let runtime = args.fleet.runtime()?;
     runtime.block_on(async move {
         // Handlers first, so a signal right after the address line is not lost.
         let signal = switchyard_emulator::shutdown_signal()?;

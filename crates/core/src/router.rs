@@ -19,7 +19,7 @@ use crate::observe::{Observation, ObserveError, Prediction, Usage};
 use crate::policy::{self, Policy, ScoringContext, Stage, TieBreak};
 use crate::prefix::{
     chain_seed, tapered_depth, tapered_end, tapered_prompt_block_hashes, BlockMatch, PrefixIndex,
-    Slot,
+    Slot, LEADING_SPLITS,
 };
 use crate::request::{Phase, RequestId, RequestKind, RouteRequest};
 
@@ -72,6 +72,10 @@ pub fn prepare(request: &RouteRequest<'_>, block_bytes: usize) -> PreparedPrompt
     let seed = chain_seed(request.model, request.adapter, request.cache_salt);
     let mut hashes = Vec::new();
     if request.kind == RequestKind::Generate {
+        // Sized once (full blocks plus the tapered leading ones): growing it by doubling cost
+        // five allocations for a 2k-token prompt.
+        let blocks = request.prompt.rendered_len() / block_bytes.max(1);
+        hashes.reserve_exact(blocks + LEADING_SPLITS as usize + 1);
         tapered_prompt_block_hashes(&request.prompt, seed, block_bytes, &mut hashes);
     }
     PreparedPrompt {

@@ -94,11 +94,11 @@ impl Exchange {
         };
         match request {
             Request::RequestHeaders(h) => {
-                let headers = messages::header_map(h.headers.as_ref());
-                self.path = headers.get(":path").cloned().unwrap_or_default();
-                self.method = headers.get(":method").cloned().unwrap_or_default();
-                self.session = headers.get("x-session-id").cloned();
-                self.phase = headers.get("x-switchyard-phase").cloned();
+                let headers = h.headers.as_ref();
+                self.path = messages::header_value(headers, ":path").unwrap_or_default();
+                self.method = messages::header_value(headers, ":method").unwrap_or_default();
+                self.session = messages::header_value(headers, "x-session-id");
+                self.phase = messages::header_value(headers, "x-switchyard-phase");
                 if h.end_of_stream {
                     return self.without_body();
                 }
@@ -136,16 +136,14 @@ impl Exchange {
                 out
             }
             Request::ResponseHeaders(h) => {
-                let headers = messages::header_map(h.headers.as_ref());
-                let status: u16 = headers
-                    .get(":status")
+                let headers = h.headers.as_ref();
+                let status: u16 = messages::header_value(headers, ":status")
                     .and_then(|s| s.parse().ok())
                     .unwrap_or(0);
-                let sse = headers
-                    .get("content-type")
+                let sse = messages::header_value(headers, "content-type")
                     .is_some_and(|c| c.starts_with("text/event-stream"));
-                let served = headers.get(messages::SERVED).map(String::as_str);
-                self.on_response_head(status, sse, served, h.end_of_stream);
+                let served = messages::header_value(headers, messages::SERVED);
+                self.on_response_head(status, sse, served.as_deref(), h.end_of_stream);
                 vec![messages::response_headers_unchanged()]
             }
             Request::ResponseBody(b) => {

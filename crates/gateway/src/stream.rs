@@ -15,6 +15,7 @@ use serde::Deserialize;
 use switchyard_core::{Observation, RequestId, Usage};
 
 use crate::backends::{Backend, InFlightGuard};
+use crate::json::Scanner;
 use crate::state::Gateway;
 use crate::upstream::UpstreamBody;
 
@@ -132,7 +133,122 @@ struct Envelope {
 /// Reads `usage` from a JSON object; also says whether it is a usage-only stream chunk
 /// (`choices` empty), the one added when we asked for usage on the client's behalf.
 pub fn read_usage(json: &[u8]) -> Option<(Usage, bool)> {
-    let env: Envelope = serde_json::from_slice(json).ok()?;
+    let env = match fast_envelope(json) {
+        Some(env) => env,
+        None => serde_json::from_slice(json).ok()?,
+    };
+    usage_of(env)
+}
+
+/// The envelope read by the JSON scanner, or `None` for anything it does not take (a duplicate
+/// field, an escaped key, a number that is no `u32`, invalid JSON...): serde_json then decides.
+/// What it accepts, serde_json accepts with the same values; it skips the answer's text
+/// without decoding it, which made serde_json's pass most of the cost of reading an answer.
+fn fast_envelope(json: &[u8]) -> Option<Envelope> {
+    let mut s = Scanner::new(json);
+    let mut env = Envelope::default();
+    let mut seen = 0u8;
+    s.object(|s, key| {
+        let bit = match key {
+            b"usage" => 1,
+            b"choices" => 2,
+            b"timings" => 4,
+            _ => return s.skip(),
+        };
+        if seen & bit != 0 {
+            return None;
+        }
+        seen |= bit;
+        if s.null() {
+            return Some(());
+        }
+        match bit {
+            1 => env.usage = Some(fast_usage(s)?),
+            2 => {
+                let mut n = 0;
+                s.array(|s| {
+                    n += 1;
+                    s.skip()
+                })?;
+                env.choices = Some(vec![IgnoredAny; n]);
+            }
+            _ => env.timings = Some(fast_timings(s)?),
+        }
+        Some(())
+    })?;
+    s.at_end().then_some(env)
+}
+
+/// `null` or an integer that fits a `u32`, as serde_json reads an `Option<u32>`.
+fn opt_u32(s: &mut Scanner<'_>) -> Option<Option<u32>> {
+    match s.opt_uint()? {
+        Some(v) => u32::try_from(v).ok().map(Some),
+        None => Some(None),
+    }
+}
+
+/// Sets the field of `bit` unless it was seen already (a duplicate is serde_json's to refuse).
+fn once(seen: &mut u8, bit: u8) -> Option<()> {
+    (*seen & bit == 0).then(|| *seen |= bit)
+}
+
+fn fast_usage(s: &mut Scanner<'_>) -> Option<UsageJson> {
+    let mut u = UsageJson::default();
+    let mut seen = 0u8;
+    s.object(|s, key| {
+        match key {
+            b"prompt_tokens" => {
+                once(&mut seen, 1)?;
+                u.prompt_tokens = opt_u32(s)?;
+            }
+            b"completion_tokens" => {
+                once(&mut seen, 2)?;
+                u.completion_tokens = opt_u32(s)?;
+            }
+            b"prompt_tokens_details" => {
+                once(&mut seen, 4)?;
+                if !s.null() {
+                    let mut details = Details::default();
+                    let mut seen_cached = false;
+                    s.object(|s, key| {
+                        if key != b"cached_tokens" {
+                            return s.skip();
+                        }
+                        if std::mem::replace(&mut seen_cached, true) {
+                            return None;
+                        }
+                        details.cached_tokens = opt_u32(s)?;
+                        Some(())
+                    })?;
+                    u.prompt_tokens_details = Some(details);
+                }
+            }
+            _ => s.skip()?,
+        }
+        Some(())
+    })?;
+    Some(u)
+}
+
+fn fast_timings(s: &mut Scanner<'_>) -> Option<Timings> {
+    let mut t = Timings::default();
+    let mut seen = 0u8;
+    s.object(|s, key| {
+        let (bit, field) = match key {
+            b"cache_n" => (1, &mut t.cache_n),
+            b"prompt_n" => (2, &mut t.prompt_n),
+            b"predicted_n" => (4, &mut t.predicted_n),
+            _ => return s.skip(),
+        };
+        once(&mut seen, bit)?;
+        *field = opt_u32(s)?;
+        Some(())
+    })?;
+    Some(t)
+}
+
+/// The usage in an envelope, and whether it is a usage-only chunk.
+fn usage_of(env: Envelope) -> Option<(Usage, bool)> {
     let Some(u) = env.usage else {
         // llama.cpp's last streamed chat chunk carries `timings` but no `usage` when the
         // client did not ask for usage.
@@ -808,6 +924,86 @@ mod tests {
         assert_eq!(u.cached_tokens, Some(3));
         assert!(read_usage(br#"{"usage":null}"#).is_none());
         assert!(read_usage(b"garbage").is_none());
+    }
+
+    /// The scanner's reading of an answer never differs from serde_json's: what it takes,
+    /// serde_json takes with the same usage; what it gives up on goes to serde_json.
+    #[test]
+    fn the_fast_envelope_agrees_with_serde_json() {
+        use crate::json::gen::{self, Rng};
+        let by_serde = |json: &[u8]| {
+            serde_json::from_slice::<Envelope>(json)
+                .ok()
+                .and_then(usage_of)
+        };
+        let fixed: &[&[u8]] = &[
+            br#"{"choices":[{"message":{"content":"\u0001\u00e9"}}],"usage":{"completion_tokens":4,"prompt_tokens":2056,"prompt_tokens_details":{"cached_tokens":0},"total_tokens":2060}}"#,
+            br#"{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":null}}"#,
+            br#"{"usage":{"prompt_tokens":1,"prompt_tokens":2}}"#,
+            br#"{"usage":{"prompt_tokens":4294967296}}"#,
+            br#"{"usage":{"prompt_tokens":-1}}"#,
+            br#"{"usage":{"prompt_tokens":1.0}}"#,
+            br#"{"usage":[1,2,null]}"#,
+            br#"{"usage":{"prompt_tokens":1},"usage":null}"#,
+            br#"{"timings":{"cache_n":3,"prompt_n":1,"cache_n":2}}"#,
+            br#"{"timings":{"cache_n":3,"prompt_n":1},"choices":null} x"#,
+            br#"{"us\u0061ge":{"prompt_tokens":1}}"#,
+            br#"[]"#,
+        ];
+        for json in fixed {
+            let fast = fast_envelope(json).map(usage_of);
+            assert!(
+                fast.is_none() || fast == Some(by_serde(json)),
+                "{}",
+                String::from_utf8_lossy(json)
+            );
+        }
+        let top = ["usage", "choices", "timings", "id", "model"];
+        let usage = [
+            "prompt_tokens",
+            "completion_tokens",
+            "prompt_tokens_details",
+        ];
+        let timings = ["cache_n", "prompt_n", "predicted_n"];
+        let mut r = Rng(0x5eed_cafe);
+        let mut accepted = 0;
+        for _ in 0..20_000 {
+            let n = r.below(5);
+            let text = gen::object(&mut r, &top, n, |r, key| match key {
+                "usage" if r.chance(90) => {
+                    let n = r.below(4);
+                    gen::object(r, &usage, n, |r, key| match key {
+                        "prompt_tokens_details" if r.chance(80) => {
+                            let n = r.below(3);
+                            gen::object(r, &["cached_tokens"], n, |r, _| gen::number(r).to_string())
+                        }
+                        _ if r.chance(70) => gen::number(r).to_string(),
+                        _ => gen::value(r, 2),
+                    })
+                }
+                "timings" if r.chance(90) => {
+                    let n = r.below(4);
+                    gen::object(r, &timings, n, |r, _| gen::number(r).to_string())
+                }
+                _ => gen::value(r, 1),
+            });
+            let text = if r.chance(20) {
+                gen::mutate(&mut r, text.as_bytes())
+            } else {
+                text.into_bytes()
+            };
+            if let Some(env) = fast_envelope(&text) {
+                accepted += 1;
+                assert_eq!(
+                    usage_of(env),
+                    by_serde(&text),
+                    "{}",
+                    String::from_utf8_lossy(&text)
+                );
+                assert!(serde_json::from_slice::<Envelope>(&text).is_ok());
+            }
+        }
+        assert!(accepted > 5_000, "the fast path took only {accepted}");
     }
 
     #[test]

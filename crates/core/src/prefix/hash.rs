@@ -108,7 +108,9 @@ struct ChainHasher<'o> {
     full_block: usize,
     /// Elements emitted so far, while the leading elements are tapered.
     taper: Option<u32>,
-    carry: [u8; MAX_BLOCK_BYTES],
+    /// A block straddling pieces (sized to the full block: a zeroed `MAX_BLOCK_BYTES` array
+    /// cost more than hashing a 2k-token prompt's blocks).
+    carry: Vec<u8>,
     carried: usize,
     out: &'o mut Vec<u64>,
 }
@@ -120,7 +122,7 @@ impl<'o> ChainHasher<'o> {
             block_bytes: block_bytes.clamp(1, MAX_BLOCK_BYTES),
             full_block: block_bytes.clamp(1, MAX_BLOCK_BYTES),
             taper: None,
-            carry: [0; MAX_BLOCK_BYTES],
+            carry: vec![0; block_bytes.clamp(1, MAX_BLOCK_BYTES)],
             carried: 0,
             out,
         }
