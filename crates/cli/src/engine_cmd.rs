@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use switchyard_emulator::engine::{EngineConfig, Profile, Role};
-use switchyard_emulator::kv_events::{Format, PublisherConfig};
+use switchyard_emulator::kv_events::{self, Format, PublisherConfig};
 use switchyard_emulator::{fidelity, EmulatorConfig};
 
 /// Instance role in disaggregated serving.
@@ -107,6 +107,17 @@ pub struct EngineArgs {
     /// msgpack layout of KV events.
     #[arg(long, value_enum, default_value_t = KvFormatArg::Array)]
     pub kv_events_format: KvFormatArg,
+    /// Serve replays of recent KV event batches on this ZeroMQ endpoint (vLLM's
+    /// replay_endpoint: a ROUTER socket, always bound; prints `kv-events-replay on ENDPOINT`).
+    #[arg(long, value_name = "ENDPOINT", requires = "kv_events_endpoint")]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// KV event batches kept for replay (vLLM's buffer_steps).
+    #[arg(long, default_value_t = kv_events::DEFAULT_REPLAY_BUFFER, value_name = "N")]
+    pub kv_events_replay_buffer: usize,
+    /// Fault injection for tests: do not send every Nth KV event batch (still kept for replay),
+    /// so subscribers see sequence gaps. 0 sends every batch.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub kv_events_drop_every: u64,
     /// Write the emulator's vocabulary as a Hugging Face tokenizer.json to FILE before serving
     /// (for the gateway's --tokenizer: prompts made of its words tokenize alike).
     #[arg(long, value_name = "FILE")]
@@ -212,6 +223,9 @@ pub fn emulator_config(args: &EngineArgs) -> Result<EmulatorConfig> {
         .iter()
         .map(|s| parse_lora_module(s))
         .collect::<Result<Vec<_>>>()?;
+    if args.kv_events_replay_buffer == 0 {
+        bail!("--kv-events-replay-buffer must be at least 1");
+    }
     let kv_events = args.kv_events_endpoint.as_ref().map(|ep| PublisherConfig {
         endpoint: ep.clone(),
         force_bind: args.kv_events_bind,
@@ -220,6 +234,9 @@ pub fn emulator_config(args: &EngineArgs) -> Result<EmulatorConfig> {
             KvFormatArg::Array => Format::Array,
             KvFormatArg::Map => Format::Map,
         },
+        replay_endpoint: args.kv_events_replay_endpoint.clone(),
+        replay_buffer: args.kv_events_replay_buffer,
+        drop_every: args.kv_events_drop_every,
     });
     Ok(EmulatorConfig {
         host: args.host.clone(),
@@ -259,6 +276,9 @@ async fn serve(cfg: EmulatorConfig) -> Result<()> {
     let mut out = std::io::stdout().lock();
     if let Some(ep) = &server.kv_events_endpoint {
         writeln!(out, "kv-events on {ep}")?;
+    }
+    if let Some(ep) = &server.kv_events_replay_endpoint {
+        writeln!(out, "kv-events-replay on {ep}")?;
     }
     writeln!(out, "listening on http://{}", server.addr)?;
     out.flush()?;

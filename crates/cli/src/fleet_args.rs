@@ -44,9 +44,10 @@ pub fn parse_model_aliases(entries: &[String]) -> Result<BTreeMap<String, String
 pub struct FleetArgs {
     /// A backend: URL[,role=prefill|decode|both][,models=a+b][,adapters=x+y]
     /// [,kind=vllm|sglang|llamacpp|trtllm|auto][,name=N][,weight=W]
-    /// [,kv_events=tcp://HOST:PORT] (repeatable). Without models=, the models and adapters are
-    /// discovered from the backend's /v1/models; with kv_events=, the engine's KV events are
-    /// subscribed to for exact prefix matching.
+    /// [,kv_events=tcp://HOST:PORT][,kv_events_replay=tcp://HOST:PORT] (repeatable). Without
+    /// models=, the models and adapters are discovered from the backend's /v1/models; with
+    /// kv_events=, the engine's KV events are subscribed to for exact prefix matching, and with
+    /// kv_events_replay= a sequence gap is first asked of the engine's replay endpoint.
     #[arg(long = "backend", value_name = "URL[,key=value...]")]
     pub backends: Vec<String>,
     /// Fleet file (YAML, or TOML/JSON by extension) with `backends: [...]`; watched and

@@ -261,14 +261,18 @@ fn exact(metrics: &str) -> bool {
 }
 
 /// An emulator whose KV events come from a test publisher, behind a gateway (probation 0.3 s,
-/// admin token `t`, plus `extra`), once the stream is trusted: (engine, publisher, gateway,
-/// client, the next sequence number).
+/// admin token `t`, the replay endpoint if any, plus `extra`), once the stream is trusted:
+/// (engine, publisher, gateway, client, the next sequence number).
 async fn trusted_fake_stream(
+    replay: Option<&str>,
     extra: &[&str],
 ) -> (Emulator, FakePublisher, Proc, reqwest::Client, u64) {
     let engine = Emulator::start(&["--model", MODEL, "--speed", "100"]);
     let mut publisher = FakePublisher::bind().await;
-    let backend = backend_flag("e", &engine, &publisher.endpoint);
+    let mut backend = backend_flag("e", &engine, &publisher.endpoint);
+    if let Some(replay) = replay {
+        backend.push_str(&format!(",kv_events_replay={replay}"));
+    }
     let mut args = vec![
         "--backend",
         backend.as_str(),
@@ -287,7 +291,7 @@ async fn trusted_fake_stream(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequence_gap_or_a_bad_batch_falls_back_until_the_stream_runs_clean() {
-    let (_engine, mut publisher, gw, c, mut seq) = trusted_fake_stream(&[]).await;
+    let (_engine, mut publisher, gw, c, mut seq) = trusted_fake_stream(None, &[]).await;
     assert_eq!(
         admin_kv_events(&c, &gw).await,
         json!({"endpoint": publisher.endpoint, "exact": true})
@@ -319,10 +323,256 @@ async fn a_sequence_gap_or_a_bad_batch_falls_back_until_the_stream_runs_clean() 
     publish_until(&mut publisher, &mut seq, &c, &gw, "trusted at last", exact).await;
 }
 
+/// A replay endpoint in the test, as vLLM's `_service_replay` answers: every batch it holds from
+/// the start asked for (in the newer layout, with the topic frame), then the end marker.
+struct FakeReplay {
+    endpoint: String,
+    held: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<u64, Vec<u8>>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FakeReplay {
+    async fn bind() -> FakeReplay {
+        use zeromq::SocketRecv;
+        let mut socket = zeromq::RouterSocket::new();
+        let endpoint = socket
+            .bind("tcp://127.0.0.1:0")
+            .await
+            .expect("bind")
+            .to_string();
+        let held = std::sync::Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<
+            u64,
+            Vec<u8>,
+        >::new()));
+        let shared = held.clone();
+        let task = tokio::spawn(async move {
+            while let Ok(request) = socket.recv().await {
+                let request = request.into_vec();
+                let (client, start) = (&request[0], &request[request.len() - 1]);
+                let start = u64::from_be_bytes(start[..].try_into().expect("8 bytes"));
+                let replies: Vec<(Vec<u8>, Vec<u8>)> = shared
+                    .lock()
+                    .unwrap()
+                    .range(start..)
+                    .map(|(seq, payload)| (seq.to_be_bytes().to_vec(), payload.clone()))
+                    .chain([((-1i64).to_be_bytes().to_vec(), vec![])])
+                    .collect();
+                for (seq, payload) in replies {
+                    let frames = vec![
+                        client.clone(),
+                        bytes::Bytes::new(),
+                        bytes::Bytes::from_static(b"kv"),
+                        bytes::Bytes::from(seq),
+                        bytes::Bytes::from(payload),
+                    ];
+                    let message = zeromq::ZmqMessage::try_from(frames).expect("frames");
+                    socket.send(message).await.expect("reply");
+                }
+            }
+        });
+        FakeReplay {
+            endpoint,
+            held,
+            task,
+        }
+    }
+
+    /// Keeps batch `seq` for replay.
+    fn hold(&self, seq: u64, payload: Vec<u8>) {
+        self.held.lock().unwrap().insert(seq, payload);
+    }
+}
+
+impl Drop for FakeReplay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The decision header of a one-token request through the gateway whose prompt starts with
+/// the 16 tokens of `stored_batch(hash)`.
+async fn decision_for_block(c: &reqwest::Client, gw: &Proc, hash: u64) -> String {
+    let mut prompt: Vec<u32> = (0..16u32).map(|t| t + hash as u32).collect();
+    prompt.extend(tokens(7, 5));
+    let r = post(
+        c,
+        &gw.url("/v1/completions"),
+        &json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    r.header("x-switchyard-decision").unwrap_or_default()
+}
+
+fn replays(metrics: &str, outcome: &str) -> f64 {
+    metric_sum(
+        metrics,
+        "switchyard_kv_events_replays_total",
+        &["backend=\"e\"", &format!("outcome=\"{outcome}\"")],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_the_replay_endpoint_fills_keeps_the_stream_exact() {
+    let replay = FakeReplay::bind().await;
+    let (_engine, mut publisher, gw, c, mut seq) =
+        trusted_fake_stream(Some(&replay.endpoint), &["--debug-header"]).await;
+    let m = metrics(&c, &gw).await;
+    for outcome in ["filled", "partial", "failed"] {
+        assert_eq!(
+            replays(&m, outcome),
+            0.0,
+            "{outcome}: the series exist at 0"
+        );
+        assert!(m.contains(&format!("outcome=\"{outcome}\"")), "{outcome}");
+    }
+
+    // Two batches never arrive on the stream; the replay endpoint holds them.
+    let lost = [seq, seq + 1];
+    for &s in &lost {
+        replay.hold(s, stored_batch(s));
+    }
+    seq += 2;
+    let filled = |m: &str| replays(m, "filled") == 1.0;
+    publish_until(&mut publisher, &mut seq, &c, &gw, "replay", filled).await;
+    let m = metrics(&c, &gw).await;
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "e"), 1.0);
+    assert_eq!(series(&m, "switchyard_kv_events_fallbacks_total", "e"), 0.0);
+    assert_eq!(series(&m, "switchyard_kv_events_exact", "e"), 1.0);
+    assert_eq!(replays(&m, "partial") + replays(&m, "failed"), 0.0);
+    assert_eq!(
+        admin_kv_events(&c, &gw).await,
+        json!({"endpoint": publisher.endpoint, "exact": true, "replay": replay.endpoint})
+    );
+
+    // The router's exact view holds the replayed blocks, and one never published is not there.
+    for s in lost {
+        let decision = decision_for_block(&c, &gw, s).await;
+        assert!(decision.contains("cached=16 "), "batch {s}: {decision}");
+    }
+    let never = decision_for_block(&c, &gw, 900_000).await;
+    assert!(never.contains("cached=0 "), "{never}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_the_replay_endpoint_cannot_fill_falls_back_as_before() {
+    // Nothing listens there.
+    let unreachable = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        format!("tcp://{}", listener.local_addr().expect("addr"))
+    };
+    let (engine, mut publisher, gw, c, mut seq) =
+        trusted_fake_stream(Some(&unreachable), &[]).await;
+    seq += 1;
+    let fell_back = |m: &str| series(m, "switchyard_kv_events_fallbacks_total", "e") == 1.0;
+    publish_until(&mut publisher, &mut seq, &c, &gw, "fallback", fell_back).await;
+    let m = metrics(&c, &gw).await;
+    assert_eq!(replays(&m, "failed"), 1.0);
+    assert_eq!(replays(&m, "filled") + replays(&m, "partial"), 0.0);
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "e"), 1.0);
+    publish_until(&mut publisher, &mut seq, &c, &gw, "trusted again", exact).await;
+
+    // A replay endpoint whose buffer has moved on gives back what it holds: applied, and the
+    // rest of the gap still falls back.
+    drop((engine, publisher, gw));
+    let replay = FakeReplay::bind().await;
+    let (_engine, mut publisher, gw, c, mut seq) =
+        trusted_fake_stream(Some(&replay.endpoint), &[]).await;
+    replay.hold(seq, stored_batch(seq));
+    seq += 3;
+    publish_until(&mut publisher, &mut seq, &c, &gw, "fallback", fell_back).await;
+    let m = metrics(&c, &gw).await;
+    assert_eq!(replays(&m, "partial"), 1.0);
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "e"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_emulators_replay_endpoint_fills_the_batches_it_did_not_send() {
+    // Every other batch is kept off the stream; only its replay endpoint has them.
+    let a = Emulator::start(&[
+        "--model",
+        MODEL,
+        "--speed",
+        "100",
+        "--kv-events-endpoint",
+        "tcp://127.0.0.1:0",
+        "--kv-events-bind",
+        "--kv-events-replay-endpoint",
+        "tcp://127.0.0.1:0",
+        "--kv-events-drop-every",
+        "2",
+    ]);
+    let replay = a
+        .kv_replay_endpoint
+        .clone()
+        .expect("a kv-events-replay line");
+    let backend = format!(
+        "{},kv_events_replay={replay}",
+        backend_flag("a", &a, a.kv_endpoint.as_deref().expect("kv-events line"))
+    );
+    let gw = gateway(&[
+        "--backend",
+        &backend,
+        "--debug-header",
+        "--kv-events-probation",
+        "0.3",
+    ]);
+    let c = client();
+    until_exact(&c, &gw, &a, "a", 5).await;
+
+    for round in 0..4u32 {
+        let held = tokens(60 + round, 48);
+        seed(&c, &a, &held).await;
+        // Another prompt's batch follows the held one's, so that one, if not sent, is a gap.
+        seed(&c, &a, &tokens(70 + round, 32)).await;
+        // Requests that start with the held prompt and end differently each time (so each is
+        // predicted the held 48 tokens at most) until the router's exact view has the held
+        // blocks: each adds a batch, so a held batch kept off the stream shows as a gap.
+        let mut n = 0;
+        let decision = poll(Duration::from_secs(15), || {
+            n += 1;
+            let mut asked = held.clone();
+            asked.extend(tokens(1000 + round * 100 + n, 20));
+            let (c, gw) = (&c, &gw);
+            async move {
+                let r = post(
+                    c,
+                    &gw.url("/v1/completions"),
+                    &json!({"model": MODEL, "prompt": asked, "max_tokens": 1}),
+                )
+                .await;
+                assert_eq!(r.status, 200, "{}", r.text);
+                assert_eq!(
+                    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+                    Some(48),
+                    "the engine holds the held prompt"
+                );
+                let decision = r.header("x-switchyard-decision").unwrap_or_default();
+                decision.contains("cached=48 ").then_some(decision)
+            }
+        })
+        .await;
+        assert!(
+            decision.is_some(),
+            "round {round}: the held blocks never showed"
+        );
+    }
+    let m = metrics(&c, &gw).await;
+    let filled = metric_sum(
+        &m,
+        "switchyard_kv_events_replays_total",
+        &["backend=\"a\"", "outcome=\"filled\""],
+    );
+    assert!(filled > 0.0, "gaps filled: {filled}");
+    assert_eq!(series(&m, "switchyard_kv_events_gaps_total", "a"), filled);
+    assert_eq!(series(&m, "switchyard_kv_events_fallbacks_total", "a"), 0.0);
+    assert_eq!(series(&m, "switchyard_kv_events_exact", "a"), 1.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_silent_while_its_engine_works_falls_back() {
     let (_engine, _publisher, gw, c, _) =
-        trusted_fake_stream(&["--kv-events-silence", "0.5"]).await;
+        trusted_fake_stream(None, &["--kv-events-silence", "0.5"]).await;
 
     // The publisher says nothing more while the engine computes fresh prompts: blocks it must
     // have stored go unreported, so the view is not to be trusted.

@@ -16,8 +16,17 @@
 //! Like vLLM, the socket binds when the endpoint has a wildcard (`*`, `::`)
 //! and connects otherwise; `--kv-events-bind` forces binding (e.g. to a
 //! loopback address). `ts` is wall-clock Unix time, as in vLLM.
+//!
+//! With a replay endpoint (vLLM's `replay_endpoint`), a ROUTER socket bound
+//! beside the PUB one resends the last `replay_buffer` batches (vLLM's
+//! `buffer_steps`): a client sends `[b"", start_seq]` (8 bytes big-endian)
+//! and gets `[b"", seq, payload]` for every buffered batch with
+//! `seq >= start_seq`, then the end marker `[b"", -1 as 8 bytes, b""]`. A
+//! subscriber that sees a sequence gap can fetch what it missed there.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use rmpv::Value;
@@ -132,6 +141,16 @@ fn encode_event(e: &WireEvent<'_>, format: Format) -> Value {
     }
 }
 
+/// Batches kept for replay by default (vLLM's `buffer_steps` default).
+pub const DEFAULT_REPLAY_BUFFER: usize = 10_000;
+
+/// The replay end marker's sequence frame: -1 as 8 signed big-endian bytes.
+pub const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
+
+/// How long one replay reply may wait on a client that does not read: a stuck client must not
+/// stall the replay service for the others.
+const REPLAY_SEND_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Publisher settings.
 #[derive(Debug, Clone)]
 pub struct PublisherConfig {
@@ -143,7 +162,41 @@ pub struct PublisherConfig {
     pub topic: String,
     /// Payload layout.
     pub format: Format,
+    /// Replay endpoint (a ROUTER socket, always bound), e.g. `tcp://127.0.0.1:5558`.
+    pub replay_endpoint: Option<String>,
+    /// Batches kept for replay (at least 1).
+    pub replay_buffer: usize,
+    /// Fault injection for tests: every Nth batch (seq % N == N - 1) is not sent on the PUB
+    /// socket, though it is kept for replay, so a subscriber sees a gap. 0 drops nothing.
+    pub drop_every: u64,
 }
+
+impl PublisherConfig {
+    /// Publishes on `endpoint` in vLLM's default layout, without replay.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        PublisherConfig {
+            endpoint: endpoint.into(),
+            force_bind: false,
+            topic: String::new(),
+            format: Format::Array,
+            replay_endpoint: None,
+            replay_buffer: DEFAULT_REPLAY_BUFFER,
+            drop_every: 0,
+        }
+    }
+}
+
+/// Where a started publisher can be reached.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Endpoints {
+    /// The PUB socket's resolved endpoint when it bound one (the real port if 0 was asked).
+    pub events: Option<String>,
+    /// The replay socket's resolved endpoint, when replay is on.
+    pub replay: Option<String>,
+}
+
+/// The last batches published, oldest first, for replay.
+type Ring = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 
 /// Handle that queues engine KV events for publishing.
 #[derive(Debug, Clone)]
@@ -170,13 +223,10 @@ pub fn should_bind(endpoint: &str) -> bool {
         || endpoint.starts_with("inproc://")
 }
 
-/// Open the socket and start the publishing task.
+/// Open the sockets and start the publishing task (and the replay service).
 ///
-/// Returns the handle and, when bound, the resolved endpoint (with the real
-/// port if port 0 was asked for).
-pub async fn start(
-    cfg: PublisherConfig,
-) -> Result<(KvEventPublisher, Option<String>), KvEventsError> {
+/// Returns the handle and where it can be reached.
+pub async fn start(cfg: PublisherConfig) -> Result<(KvEventPublisher, Endpoints), KvEventsError> {
     let mut socket = zeromq::PubSocket::new();
     let bind = cfg.force_bind || should_bind(&cfg.endpoint);
     let bound = if bind {
@@ -191,6 +241,28 @@ pub async fn start(
     } else {
         None
     };
+    let ring: Ring = Arc::new(Mutex::new(VecDeque::new()));
+    let replay = match &cfg.replay_endpoint {
+        Some(endpoint) => {
+            let mut router = zeromq::RouterSocket::new();
+            let ep = router
+                .bind(endpoint)
+                .await
+                .map_err(|source| KvEventsError::Socket {
+                    endpoint: endpoint.clone(),
+                    source,
+                })?;
+            tokio::spawn(serve_replay(router, ring.clone()));
+            Some(ep.to_string())
+        }
+        None => None,
+    };
+    let keep = if cfg.replay_endpoint.is_some() {
+        cfg.replay_buffer.max(1)
+    } else {
+        0
+    };
+    let drop_every = cfg.drop_every;
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<KvEvent>>();
     let topic = Bytes::from(cfg.topic.clone().into_bytes());
     let format = cfg.format;
@@ -232,13 +304,30 @@ pub async fn start(
                     WireEvent { event, lora_id }
                 })
                 .collect();
-            let payload = encode_batch(unix_now(), &wire, 0, format);
+            let payload = Bytes::from(encode_batch(unix_now(), &wire, 0, format));
+            // Buffered before it is sent, as in vLLM: a subscriber that sees the next batch
+            // and asks for this one finds it.
+            if keep > 0 {
+                let mut ring = ring.lock().unwrap_or_else(|e| e.into_inner());
+                if ring.len() == keep {
+                    ring.pop_front();
+                }
+                ring.push_back((seq, payload.clone()));
+            }
             let frames = vec![
                 topic.clone(),
                 Bytes::copy_from_slice(&seq.to_be_bytes()),
-                Bytes::from(payload),
+                payload,
             ];
+            let dropped = drop_every > 0 && seq % drop_every == drop_every - 1;
             seq += 1;
+            if dropped {
+                tracing::debug!(
+                    "kv events: batch {} not sent (--kv-events-drop-every)",
+                    seq - 1
+                );
+                continue;
+            }
             match ZmqMessage::try_from(frames) {
                 Ok(msg) => {
                     if let Err(e) = socket.send(msg).await {
@@ -249,7 +338,68 @@ pub async fn start(
             }
         }
     });
-    Ok((KvEventPublisher { tx }, bound))
+    Ok((
+        KvEventPublisher { tx },
+        Endpoints {
+            events: bound,
+            replay,
+        },
+    ))
+}
+
+/// The start sequence number of a replay request: its last frame, 8 bytes big-endian (vLLM's
+/// legacy form, `[client_id, b"", start]` as the ROUTER receives it).
+pub fn replay_start<F: AsRef<[u8]>>(frames: &[F]) -> Option<u64> {
+    let last: [u8; 8] = frames.last()?.as_ref().try_into().ok()?;
+    Some(u64::from_be_bytes(last))
+}
+
+/// Answers replay requests from the ring until the socket fails: every buffered batch from the
+/// start asked for, then the end marker.
+async fn serve_replay(mut socket: zeromq::RouterSocket, ring: Ring) {
+    use zeromq::SocketRecv;
+    loop {
+        let request = match socket.recv().await {
+            Ok(m) => m.into_vec(),
+            Err(e) => {
+                tracing::debug!("kv events replay socket: {e}");
+                return;
+            }
+        };
+        let (Some(client), Some(start)) = (request.first().cloned(), replay_start(&request)) else {
+            tracing::debug!(
+                "kv events: invalid replay request of {} frames",
+                request.len()
+            );
+            continue;
+        };
+        // Copied out (payloads are shared bytes) so publishing goes on while this is sent.
+        let batches: Vec<(u64, Bytes)> = ring
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(seq, _)| *seq >= start)
+            .cloned()
+            .collect();
+        let replies = batches
+            .into_iter()
+            .map(|(seq, payload)| (Bytes::copy_from_slice(&seq.to_be_bytes()), payload))
+            .chain([(Bytes::copy_from_slice(&END_SEQ), Bytes::new())]);
+        for (seq, payload) in replies {
+            let frames = vec![client.clone(), Bytes::new(), seq, payload];
+            let sent = match ZmqMessage::try_from(frames) {
+                Ok(msg) => tokio::time::timeout(REPLAY_SEND_TIMEOUT, socket.send(msg)).await,
+                Err(e) => {
+                    tracing::debug!("kv events replay frame error: {e:?}");
+                    break;
+                }
+            };
+            if !matches!(sent, Ok(Ok(()))) {
+                tracing::debug!("kv events: replay client gone or stuck");
+                break;
+            }
+        }
+    }
 }
 
 /// Wall-clock seconds since the Unix epoch.
@@ -339,6 +489,82 @@ mod tests {
         let e = evs[0].as_map().unwrap();
         assert_eq!(e[0].0.as_str(), Some("type"));
         assert_eq!(e[0].1.as_str(), Some("BlockStored"));
+    }
+
+    /// Asks `endpoint` for a replay from `start`: the sequence numbers and payloads sent, up to
+    /// the end marker.
+    async fn ask_replay(endpoint: &str, start: u64) -> Vec<(u64, Bytes)> {
+        use zeromq::SocketRecv;
+        let mut dealer = zeromq::DealerSocket::new();
+        dealer.connect(endpoint).await.unwrap();
+        let request = vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())];
+        dealer
+            .send(ZmqMessage::try_from(request).unwrap())
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        loop {
+            let frames = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
+                .await
+                .expect("a reply in time")
+                .unwrap()
+                .into_vec();
+            assert_eq!(frames.len(), 3, "[b\"\", seq, payload]");
+            assert!(frames[0].is_empty());
+            if frames[1][..] == END_SEQ {
+                assert!(frames[2].is_empty());
+                return out;
+            }
+            let seq = u64::from_be_bytes(frames[1][..].try_into().unwrap());
+            out.push((seq, frames[2].clone()));
+        }
+    }
+
+    #[tokio::test]
+    async fn replay_serves_the_last_batches_from_the_start_asked_for() {
+        let cfg = PublisherConfig {
+            force_bind: true,
+            replay_endpoint: Some("tcp://127.0.0.1:0".into()),
+            replay_buffer: 3,
+            drop_every: 2,
+            ..PublisherConfig::new("tcp://127.0.0.1:0")
+        };
+        let (publisher, endpoints) = start(cfg).await.unwrap();
+        let replay = endpoints.replay.expect("bound");
+        assert!(endpoints.events.is_some());
+        for _ in 0..5 {
+            publisher.publish(vec![KvEvent::AllBlocksCleared]);
+        }
+        // The publishing task buffers them in the background: ask until the last is there.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let all = loop {
+            let got = ask_replay(&replay, 0).await;
+            if got.last().map(|b| b.0) == Some(4) {
+                break got;
+            }
+            assert!(std::time::Instant::now() < deadline, "{got:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        // A buffer of 3 keeps the last 3, dropped ones (1 and 3) included.
+        let seqs: Vec<u64> = all.iter().map(|b| b.0).collect();
+        assert_eq!(seqs, vec![2, 3, 4]);
+        let v = rmpv::decode::read_value(&mut &all[0].1[..]).unwrap();
+        assert_eq!(v.as_array().unwrap()[1].as_array().unwrap().len(), 1);
+        let from_4: Vec<u64> = ask_replay(&replay, 4).await.iter().map(|b| b.0).collect();
+        assert_eq!(from_4, vec![4]);
+        assert!(
+            ask_replay(&replay, 9).await.is_empty(),
+            "just the end marker"
+        );
+    }
+
+    #[test]
+    fn replay_requests_carry_the_start_in_their_last_frame() {
+        let id = b"id".to_vec();
+        let start = 7u64.to_be_bytes().to_vec();
+        assert_eq!(replay_start(&[id.clone(), vec![], start.clone()]), Some(7));
+        assert_eq!(replay_start(&[id.clone(), vec![], vec![1, 2]]), None);
+        assert_eq!(replay_start::<Vec<u8>>(&[]), None);
     }
 
     #[test]

@@ -113,6 +113,8 @@ pub struct RunningServer {
     pub addr: SocketAddr,
     /// The resolved KV-events endpoint when the publisher bound one.
     pub kv_events_endpoint: Option<String>,
+    /// The resolved KV-events replay endpoint, when replay is on.
+    pub kv_events_replay_endpoint: Option<String>,
     /// Shared state (for in-process users such as the fidelity check).
     pub state: SharedState,
     shutdown: Option<oneshot::Sender<()>>,
@@ -202,12 +204,12 @@ pub async fn start(cfg: EmulatorConfig) -> Result<RunningServer, ServerError> {
         adapters.insert(name.clone(), path.clone());
     }
 
-    let (kv, kv_events_endpoint) = match &cfg.kv_events {
+    let (kv, kv_endpoints) = match &cfg.kv_events {
         Some(kc) => {
             let (p, ep) = kv_events::start(kc.clone()).await?;
             (Some(p), ep)
         }
-        None => (None, None),
+        None => (None, kv_events::Endpoints::default()),
     };
 
     let metrics = Arc::new(Metrics::new(&engine_cfg.model_name, "0"));
@@ -252,7 +254,8 @@ pub async fn start(cfg: EmulatorConfig) -> Result<RunningServer, ServerError> {
     });
     Ok(RunningServer {
         addr,
-        kv_events_endpoint,
+        kv_events_endpoint: kv_endpoints.events,
+        kv_events_replay_endpoint: kv_endpoints.replay,
         state,
         shutdown: Some(tx),
         task,

@@ -83,10 +83,17 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
             "engine": engine,
             "learned": router.learned(b.id),
             // With `kv_events=`: whether the router matches it exactly from its events now.
-            "kv_events": b.spec.kv_events.as_ref().map(|endpoint| json!({
-                "endpoint": endpoint,
-                "exact": router.is_exact(b.id),
-            })),
+            // (and its replay endpoint, only when it has one).
+            "kv_events": b.spec.kv_events.as_ref().map(|endpoint| {
+                let mut kv = json!({
+                    "endpoint": endpoint,
+                    "exact": router.is_exact(b.id),
+                });
+                if let Some(replay) = &b.spec.kv_events_replay {
+                    kv["replay"] = json!(replay);
+                }
+                kv
+            }),
         }));
     }
     let pending: Vec<&String> = registry.pending.keys().collect();

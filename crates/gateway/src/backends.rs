@@ -129,6 +129,9 @@ pub struct BackendSpec {
     /// The engine's KV event publisher, `tcp://host:port` (vLLM `--kv-events-config`): the
     /// gateway subscribes and the router matches this backend exactly (see `kv_events`).
     pub kv_events: Option<String>,
+    /// The engine's KV event replay endpoint, `tcp://host:port` (vLLM's `replay_endpoint`):
+    /// batches a sequence gap lost are asked of it before falling back (needs `kv_events`).
+    pub kv_events_replay: Option<String>,
 }
 
 impl Default for BackendSpec {
@@ -146,6 +149,7 @@ impl Default for BackendSpec {
             kv_capacity_tokens: None,
             bootstrap_port: None,
             kv_events: None,
+            kv_events_replay: None,
         }
     }
 }
@@ -259,14 +263,26 @@ impl BackendSpec {
             return Err(SpecError::Option(self.name, "weight must be > 0".into()));
         }
         if let Some(endpoint) = &self.kv_events {
-            check_kv_endpoint(endpoint).map_err(|why| SpecError::Option(self.name.clone(), why))?;
+            check_kv_endpoint("kv_events", endpoint)
+                .map_err(|why| SpecError::Option(self.name.clone(), why))?;
+        }
+        if let Some(endpoint) = &self.kv_events_replay {
+            check_kv_endpoint("kv_events_replay", endpoint)
+                .map_err(|why| SpecError::Option(self.name.clone(), why))?;
+            if self.kv_events.is_none() {
+                return Err(SpecError::Option(
+                    self.name,
+                    "kv_events_replay needs kv_events (the stream whose gaps it fills)".into(),
+                ));
+            }
         }
         Ok(self)
     }
 
     /// Parses the `--backend` flag: `URL[,role=prefill|decode|both][,models=a+b]
     /// [,adapters=x+y][,kind=vllm|sglang|llamacpp|trtllm|auto][,name=N][,weight=W]
-    /// [,adapter_slots=N][,bootstrap_port=P][,kv_events=tcp://HOST:PORT]`.
+    /// [,adapter_slots=N][,bootstrap_port=P][,kv_events=tcp://HOST:PORT]
+    /// [,kv_events_replay=tcp://HOST:PORT]`.
     pub fn parse_flag(flag: &str) -> Result<BackendSpec, SpecError> {
         let mut parts = flag.split(',');
         let address = parts.next().unwrap_or_default().trim().to_string();
@@ -323,9 +339,10 @@ impl BackendSpec {
                     )
                 }
                 "kv_events" => spec.kv_events = Some(value.trim().to_string()),
+                "kv_events_replay" => spec.kv_events_replay = Some(value.trim().to_string()),
                 other => {
                     return Err(bad(format!(
-                        "unknown option `{other}` (role, models, adapters, kind, name, weight, adapter_slots, bootstrap_port, kv_events)"
+                        "unknown option `{other}` (role, models, adapters, kind, name, weight, adapter_slots, bootstrap_port, kv_events, kv_events_replay)"
                     )))
                 }
             }
@@ -349,9 +366,10 @@ impl BackendSpec {
     }
 }
 
-/// Checks a KV event endpoint: `tcp://host:port` (the only transport the gateway speaks).
-fn check_kv_endpoint(endpoint: &str) -> Result<(), String> {
-    let bad = || format!("kv_events `{endpoint}`: expected tcp://HOST:PORT");
+/// Checks a KV event endpoint (option `key`): `tcp://host:port` (the only transport the gateway
+/// speaks).
+fn check_kv_endpoint(key: &str, endpoint: &str) -> Result<(), String> {
+    let bad = || format!("{key} `{endpoint}`: expected tcp://HOST:PORT");
     let rest = endpoint.strip_prefix("tcp://").ok_or_else(bad)?;
     let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
     if host.is_empty() || host.contains('*') || !port.parse::<u16>().is_ok_and(|p| p != 0) {
@@ -614,7 +632,16 @@ mod tests {
         assert_eq!(s.kv_events, None);
         let s = BackendSpec::parse_flag("127.0.0.1:8004,kv_events=tcp://127.0.0.1:5557").unwrap();
         assert_eq!(s.kv_events.as_deref(), Some("tcp://127.0.0.1:5557"));
+        assert_eq!(s.kv_events_replay, None);
+        let s = BackendSpec::parse_flag(
+            "127.0.0.1:8004,kv_events=tcp://127.0.0.1:5557,kv_events_replay=tcp://127.0.0.1:5558",
+        )
+        .unwrap();
+        assert_eq!(s.kv_events_replay.as_deref(), Some("tcp://127.0.0.1:5558"));
         for bad in [
+            "h:1,kv_events_replay=tcp://h:2",
+            "h:1,kv_events=tcp://h:1,kv_events_replay=tcp://*:2",
+            "h:1,kv_events=tcp://h:1,kv_events_replay=h:2",
             "127.0.0.1",
             "https://h:1",
             "h:1,role=x",
@@ -646,6 +673,14 @@ mod tests {
         let kv: BackendSpec =
             serde_norway::from_str("address: h:1\nkv_events: tcp://10.0.0.1:5557\n").unwrap();
         assert_eq!(kv.kv_events.as_deref(), Some("tcp://10.0.0.1:5557"));
+        let replay: BackendSpec = serde_norway::from_str(
+            "address: h:1\nkv_events: tcp://10.0.0.1:5557\nkv_events_replay: tcp://10.0.0.1:5558\n",
+        )
+        .unwrap();
+        assert_eq!(
+            replay.normalise().unwrap().kv_events_replay.as_deref(),
+            Some("tcp://10.0.0.1:5558")
+        );
         assert!(BackendSpec {
             kv_events: Some("tcp://h".into()),
             ..kv

@@ -43,7 +43,9 @@ pub fn join(
 ) -> Result<Arc<Backend>, String> {
     let mut metrics = gw.metrics.for_backend(&spec.name);
     if spec.kv_events.is_some() {
-        metrics.kv_events = gw.metrics.kv_events_for(&spec.name);
+        metrics.kv_events = gw
+            .metrics
+            .kv_events_for(&spec.name, spec.kv_events_replay.is_some());
     }
     let mut registry = gw.registry.lock();
     if from_discovery && registry.pending.get(&spec.name) != Some(&configured) {

@@ -143,7 +143,11 @@ struct KvEventFamilies {
     decode_errors: Family<BackendLabel, Counter>,
     fallbacks: Family<BackendLabel, Counter>,
     exact: Family<BackendLabel, Gauge>,
+    replays: Family<OutcomeLabels, Counter>,
 }
+
+/// Outcomes of asking an engine's replay endpoint for the batches a gap lost.
+const REPLAY_OUTCOMES: [&str; 3] = ["filled", "partial", "failed"];
 
 /// Handles for one backend's KV event series.
 #[derive(Clone, Default)]
@@ -158,6 +162,12 @@ pub struct KvEventMetrics {
     pub fallbacks: Counter,
     /// 1 while the router matches this backend exactly from its events.
     pub exact: Gauge,
+    /// Replays that brought back every batch of a gap (the stream stayed trusted).
+    pub replays_filled: Counter,
+    /// Replays that brought back some of a gap's batches (applied; then the fallback).
+    pub replays_partial: Counter,
+    /// Replays that brought back nothing (unreachable, timed out, buffer moved on).
+    pub replays_failed: Counter,
 }
 
 /// Handles for one backend's series.
@@ -387,6 +397,11 @@ impl Metrics {
             "1 while the router matches a backend exactly from its KV events, 0 while it falls back to the approximate index",
             kv_events.exact.clone(),
         );
+        registry.register(
+            "switchyard_kv_events_replays",
+            "Sequence gaps asked of a backend's KV event replay endpoint, by outcome (filled: no fallback; partial; failed)",
+            kv_events.replays.clone(),
+        );
         let reloads = Family::<ResultLabel, Counter>::default();
         registry.register(
             "switchyard_fleet_reloads",
@@ -495,18 +510,31 @@ impl Metrics {
     }
 
     /// Creates (or finds) the KV event series of backend `name` (only backends that publish
-    /// events get them).
-    pub fn kv_events_for(&self, name: &str) -> KvEventMetrics {
+    /// events get them; the replay series only those with a replay endpoint).
+    pub fn kv_events_for(&self, name: &str, replay: bool) -> KvEventMetrics {
         let b = BackendLabel {
             backend: name.to_string(),
         };
         let k = &self.kv_events;
+        let replays = |outcome: &'static str| {
+            if replay {
+                k.replays.get_or_create_owned(&OutcomeLabels {
+                    backend: name.to_string(),
+                    outcome,
+                })
+            } else {
+                Counter::default()
+            }
+        };
         KvEventMetrics {
             received: k.received.get_or_create_owned(&b),
             gaps: k.gaps.get_or_create_owned(&b),
             decode_errors: k.decode_errors.get_or_create_owned(&b),
             fallbacks: k.fallbacks.get_or_create_owned(&b),
             exact: k.exact.get_or_create_owned(&b),
+            replays_filled: replays(REPLAY_OUTCOMES[0]),
+            replays_partial: replays(REPLAY_OUTCOMES[1]),
+            replays_failed: replays(REPLAY_OUTCOMES[2]),
         }
     }
 
@@ -563,6 +591,12 @@ impl Metrics {
         k.decode_errors.remove(&b);
         k.fallbacks.remove(&b);
         k.exact.remove(&b);
+        for outcome in REPLAY_OUTCOMES {
+            k.replays.remove(&OutcomeLabels {
+                backend: name.to_string(),
+                outcome,
+            });
+        }
         self.placement_series.lock().retain(|l| {
             if l.backend == name {
                 self.placements.remove(l);

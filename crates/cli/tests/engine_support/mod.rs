@@ -18,6 +18,8 @@ pub struct Emulator {
     pub base: String,
     /// The KV-events endpoint the process printed, if it bound one.
     pub kv_endpoint: Option<String>,
+    /// The KV-events replay endpoint the process printed, if it serves one.
+    pub kv_replay_endpoint: Option<String>,
 }
 
 impl Emulator {
@@ -44,12 +46,16 @@ impl Emulator {
         });
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut kv_endpoint = None;
+        let mut kv_replay_endpoint = None;
         let mut emu = None;
         while Instant::now() < deadline {
             match rx.recv_timeout(Duration::from_millis(200)) {
                 Ok(line) => {
                     if let Some(ep) = line.strip_prefix("kv-events on ") {
                         kv_endpoint = Some(ep.trim().to_string());
+                    }
+                    if let Some(ep) = line.strip_prefix("kv-events-replay on ") {
+                        kv_replay_endpoint = Some(ep.trim().to_string());
                     }
                     if let Some(addr) = line.strip_prefix("listening on ") {
                         emu = Some(addr.trim().to_string());
@@ -72,6 +78,7 @@ impl Emulator {
             child,
             base,
             kv_endpoint,
+            kv_replay_endpoint,
         }
     }
 

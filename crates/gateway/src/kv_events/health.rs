@@ -100,6 +100,11 @@ impl StreamHealth {
         self.trusted
     }
 
+    /// The sequence number expected next (none right after subscribing or trouble).
+    pub fn expected(&self) -> Option<u64> {
+        self.next_seq
+    }
+
     /// The stream is untrusted from `now` (trouble, or a new subscription): sequence numbers
     /// start over and probation with them. Returns whether it was trusted (a new episode).
     pub fn distrust(&mut self, now: f64) -> bool {

@@ -3,6 +3,12 @@
 //! the router as `Observation::KvEvents` (through [`Gateway::observe`], the one place that locks
 //! it), and watches the stream's health ([`health`]).
 //!
+//! A forward sequence gap on a backend with `kv_events_replay=` is first asked of the engine's
+//! replay endpoint ([`replay`]): if it sends every lost batch, they are applied in order and the
+//! stream stays trusted; otherwise what it sent is applied and the gap is trouble as below.
+//! Counted in `switchyard_kv_events_replays_total{outcome}`. Without a gap the message path is
+//! the same as without replay.
+//!
 //! On trouble (a sequence gap, an undecodable batch, lag, silence while the engine reports
 //! prompt work, a lost connection) the router is told `KvEventsLost`: the backend's exact view
 //! is dropped and it is priced on the approximate index. A broken or silent connection is
@@ -13,6 +19,7 @@
 //! shows as a gap.
 
 pub mod health;
+pub mod replay;
 pub mod wire;
 
 use std::sync::Arc;
@@ -31,6 +38,14 @@ const TICK: Duration = Duration::from_millis(250);
 /// Longest wait between two subscription attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
+/// Most batches one replay may ask for (vLLM's default `buffer_steps`: an engine holds no more,
+/// and a bigger gap is rather a restart).
+const MAX_REPLAY_BATCHES: u64 = 10_000;
+
+/// How long gaps are not asked of a replay endpoint that brought back nothing: each attempt on
+/// an unreachable one holds the subscription for the whole timeout.
+const REPLAY_PAUSE_S: f64 = 10.0;
+
 /// Wall-clock seconds since the Unix epoch (batches carry their publication time in it).
 fn unix_now() -> f64 {
     std::time::SystemTime::now()
@@ -43,6 +58,10 @@ struct Trust<'a> {
     gw: &'a Gateway,
     backend: &'a Backend,
     health: StreamHealth,
+    /// The engine's replay endpoint (`kv_events_replay=`).
+    replay: Option<&'a str>,
+    /// Gateway time before which gaps are not asked of it (after a failed replay).
+    replay_paused_until: f64,
 }
 
 impl Trust<'_> {
@@ -107,8 +126,9 @@ impl Trust<'_> {
         }
     }
 
-    /// One message off the socket: decoded, checked, applied.
-    fn message(&mut self, frames: &[bytes::Bytes]) {
+    /// One message off the socket: decoded, checked (a gap first asked of the replay endpoint),
+    /// applied.
+    async fn message(&mut self, frames: &[bytes::Bytes]) {
         let batch = match wire::decode_message(frames) {
             Ok(b) => b,
             Err(e) => {
@@ -118,10 +138,14 @@ impl Trust<'_> {
                 return;
             }
         };
-        let block_size = batch.events.iter().find_map(|e| match e {
-            KvEvent::Stored { block_size, .. } => Some(*block_size),
-            _ => None,
-        });
+        if let Some(endpoint) = self.replay {
+            if let Some(expected) = self.health.expected().filter(|&e| e < batch.seq) {
+                if self.gw.now() >= self.replay_paused_until {
+                    self.replay(endpoint, expected, batch.seq).await;
+                }
+            }
+        }
+        let block_size = block_size(&batch);
         if let Err(trouble) = self
             .health
             .on_batch(batch.seq, batch.ts, block_size, unix_now())
@@ -130,13 +154,79 @@ impl Trust<'_> {
             // The view restarts from this batch: what it says is still true.
             let _ = self.health.on_batch(batch.seq, None, None, unix_now());
         }
-        if !batch.events.is_empty() {
+        self.apply(batch.events);
+    }
+
+    /// Feeds a batch's events to the router.
+    fn apply(&self, events: Vec<KvEvent>) {
+        if !events.is_empty() {
             let m = &self.backend.metrics.kv_events;
-            m.received.inc_by(batch.events.len() as u64);
+            m.received.inc_by(events.len() as u64);
             self.gw
-                .observe(Observation::KvEvents(self.backend.id, batch.events));
+                .observe(Observation::KvEvents(self.backend.id, events));
         }
     }
+
+    /// Asks the replay endpoint for batches `from..until` (a gap) and applies what comes back in
+    /// order. When every one came, the stream expects `until` next and the gap is no trouble;
+    /// otherwise it expects the first missing one, and the live batch shows the (smaller) gap.
+    async fn replay(&mut self, endpoint: &str, from: u64, until: u64) {
+        let m = &self.backend.metrics.kv_events;
+        let wanted = until - from;
+        let fetched = if wanted > MAX_REPLAY_BATCHES {
+            replay::Fetched {
+                stopped: Some(format!(
+                    "{wanted} batches lost, more than a replay asks for"
+                )),
+                ..replay::Fetched::default()
+            }
+        } else {
+            let timeout = self.gw.settings.probe_timeout.max(TICK);
+            replay::fetch(endpoint, from, until, timeout).await
+        };
+        let got = fetched.batches.len() as u64;
+        for batch in fetched.batches {
+            // Replayed batches are old by nature: no lag check (the live batch has its own).
+            let block_size = block_size(&batch);
+            if self
+                .health
+                .on_batch(batch.seq, None, block_size, unix_now())
+                .is_err()
+            {
+                // Invariant of `replay::fetch`: consecutive from `from`, which the stream expects.
+                break;
+            }
+            self.apply(batch.events);
+        }
+        let backend = self.backend.name();
+        if got == wanted {
+            // The gap happened (counted) but lost nothing.
+            m.gaps.inc();
+            m.replays_filled.inc();
+            tracing::debug!(backend, %endpoint, "KV events: gap {from}..{until} filled by replay");
+        } else {
+            let why = fetched.stopped.unwrap_or_default();
+            if got > 0 {
+                m.replays_partial.inc();
+            } else {
+                m.replays_failed.inc();
+                self.replay_paused_until = self.gw.now() + REPLAY_PAUSE_S;
+            }
+            tracing::debug!(
+                backend,
+                %endpoint,
+                "KV events: replay of {from}..{until} brought {got} batches: {why}"
+            );
+        }
+    }
+}
+
+/// The block size a batch's events use, when it stores any.
+fn block_size(batch: &wire::Batch) -> Option<u32> {
+    batch.events.iter().find_map(|e| match e {
+        KvEvent::Stored { block_size, .. } => Some(*block_size),
+        _ => None,
+    })
 }
 
 /// Uncached prompt tokens the engine reported (finished requests' usage), read from the
@@ -176,6 +266,8 @@ pub async fn run(gw: Arc<Gateway>, backend: Arc<Backend>, endpoint: String) {
         ),
         gw: &gw,
         backend: &backend,
+        replay: backend.spec.kv_events_replay.as_deref(),
+        replay_paused_until: f64::NEG_INFINITY,
     };
     let mut backoff = Duration::from_millis(100);
     while !backend.is_removed() {
@@ -206,7 +298,7 @@ pub async fn run(gw: Arc<Gateway>, backend: Arc<Backend>, endpoint: String) {
         let trouble = loop {
             tokio::select! {
                 message = socket.recv() => match message {
-                    Ok(m) => trust.message(&m.into_vec()),
+                    Ok(m) => trust.message(&m.into_vec()).await,
                     Err(e) => break Trouble::Disconnected(e.to_string()),
                 },
                 Some(event) = futures_util::StreamExt::next(&mut monitor) => {

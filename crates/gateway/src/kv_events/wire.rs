@@ -70,6 +70,33 @@ pub fn decode_message<F: AsRef<[u8]>>(frames: &[F]) -> Result<Batch, DecodeError
     })
 }
 
+/// One reply from an engine's replay endpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Replayed {
+    /// A buffered batch.
+    Batch(Batch),
+    /// The end marker: nothing more follows.
+    End,
+}
+
+/// The replay end marker's sequence frame: -1 as 8 signed big-endian bytes.
+pub const REPLAY_END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
+
+/// Decodes one reply from a replay endpoint (vLLM's ROUTER, as a DEALER receives it):
+/// `[b"", seq, payload]`, `[b"", topic, seq, payload]` (newer vLLM), or without the empty
+/// delimiter (a REQ client's view); the end marker has sequence -1 and an empty payload.
+pub fn decode_replay<F: AsRef<[u8]>>(frames: &[F]) -> Result<Replayed, DecodeError> {
+    // Four frames: the delimiter, then a message as the PUB socket sends it.
+    let frames = match frames {
+        [delimiter, rest @ ..] if rest.len() == 3 && delimiter.as_ref().is_empty() => rest,
+        _ => frames,
+    };
+    match frames {
+        [_, seq, _] | [seq, _] if seq.as_ref() == REPLAY_END_SEQ => Ok(Replayed::End),
+        _ => decode_message(frames).map(Replayed::Batch),
+    }
+}
+
 /// Decodes a msgpack `KVEventBatch` (either layout): its timestamp and events.
 pub fn decode_payload(payload: &[u8]) -> Result<(Option<f64>, Vec<KvEvent>), DecodeError> {
     let mut rest = payload;
@@ -514,7 +541,59 @@ mod tests {
         );
     }
 
+    #[test]
+    fn replay_replies_in_both_layouts_and_the_end_marker() {
+        let payload = encode(&Value::Array(vec![
+            Value::F64(3.0),
+            Value::Array(vec![Value::Array(vec![s("AllBlocksCleared")])]),
+            Value::from(0),
+        ]));
+        let seq = 41u64.to_be_bytes().to_vec();
+        let want = Replayed::Batch(Batch {
+            seq: 41,
+            ts: Some(3.0),
+            events: vec![KvEvent::AllCleared],
+        });
+        // Legacy `[b"", seq, payload]`, newer `[b"", topic, seq, payload]`, a REQ's `[seq, payload]`.
+        for frames in [
+            vec![vec![], seq.clone(), payload.clone()],
+            vec![vec![], b"kv".to_vec(), seq.clone(), payload.clone()],
+            vec![vec![], vec![], seq.clone(), payload.clone()],
+            vec![seq.clone(), payload.clone()],
+        ] {
+            assert_eq!(decode_replay(&frames), Ok(want.clone()), "{frames:?}");
+        }
+        let end = REPLAY_END_SEQ.to_vec();
+        assert_eq!(
+            decode_replay(&[vec![], end.clone(), vec![]]),
+            Ok(Replayed::End)
+        );
+        assert_eq!(
+            decode_replay(&[vec![], b"kv".to_vec(), end.clone(), vec![]]),
+            Ok(Replayed::End)
+        );
+        assert_eq!(REPLAY_END_SEQ, [0xff; 8]);
+        let garbage: Vec<Vec<Vec<u8>>> = vec![
+            vec![],
+            vec![vec![]],
+            vec![vec![], vec![1, 2, 3], payload.clone()],
+            vec![vec![], seq.clone(), vec![0xc1]],
+            vec![b"x".to_vec(), b"kv".to_vec(), seq.clone(), payload.clone()],
+            vec![vec![], vec![], vec![], seq.clone(), payload],
+        ];
+        for frames in garbage {
+            assert!(decode_replay(&frames).is_err(), "{frames:?}");
+        }
+    }
+
     proptest! {
+        #[test]
+        fn arbitrary_replay_frames_never_panic(
+            frames in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..16), 0..6),
+        ) {
+            let _ = decode_replay(&frames);
+        }
+
         #[test]
         fn arbitrary_bytes_never_panic(
             topic in proptest::collection::vec(any::<u8>(), 0..4),
