@@ -371,7 +371,7 @@ def check_epp(where, workload, template, c, flags, docs, f: Findings) -> None:
 FLEET_KEYS = {"backends", "model_aliases"}
 BACKEND_KEYS = {
     "name", "address", "role", "models", "adapters", "weight", "labels", "kind",
-    "adapter_slots", "kv_capacity_tokens", "bootstrap_port", "kv_events",
+    "adapter_slots", "kv_capacity_tokens", "bootstrap_port", "kv_events", "kv_events_replay",
 }
 ROLES = {"prefill", "decode", "both"}
 ENGINE_KINDS = {"auto", "vllm", "sglang", "llamacpp", "trtllm"}
