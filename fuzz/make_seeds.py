@@ -118,3 +118,5 @@ put("kv_events", "tagged", msgpack([1700000000.5, [
      "token_ids": list(range(16)), "block_size": 16, "lora_id": None},
     {"type": "BlockRemoved", "block_hashes": [21]}, {"type": "AllBlocksCleared"}]]))
 put("kv_events", "multipart", b"k" + (7).to_bytes(8, "big") + msgpack([0.0, [cleared], None]))
+# A replay reply's end marker: sequence -1 (all ones) and an empty payload.
+put("kv_events", "replay-end", b"k" + b"\xff" * 8)
