@@ -155,10 +155,7 @@ fn fast_envelope(json: &[u8]) -> Option<Envelope> {
             b"timings" => 4,
             _ => return s.skip(),
         };
-        if seen & bit != 0 {
-            return None;
-        }
-        seen |= bit;
+        once(&mut seen, bit)?;
         if s.null() {
             return Some(());
         }
