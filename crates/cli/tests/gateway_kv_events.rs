@@ -612,9 +612,8 @@ fn words(seed: u32, len: u32) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_prompts_tokenized_by_the_gateway_predict_cached_tokens_to_the_token() {
-    let dir = std::env::temp_dir().join(format!("switchyard-kv-tok-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let tokenizer = dir.join("tokenizer.json");
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = dir.path().join("tokenizer.json");
     let tokenizer = tokenizer.to_str().unwrap();
     let a = Emulator::start_publishing(MODEL);
     let b = Emulator::start(&[

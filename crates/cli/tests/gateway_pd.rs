@@ -253,18 +253,15 @@ async fn sglang_style_runs_both_legs_streamed_and_not() {
     serves_disaggregated("sglang").await;
 }
 
-fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "switchyard-gw-pd-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    ));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let path = dir.join(name);
-    std::fs::write(&path, text).expect("write");
-    path
+/// A file named `*name` holding `text`, removed when the returned path is dropped.
+fn temp_file(name: &str, text: &str) -> tempfile::TempPath {
+    let file = tempfile::Builder::new()
+        .prefix("switchyard-gw-pd-")
+        .suffix(name)
+        .tempfile()
+        .expect("temp file");
+    std::fs::write(file.path(), text).expect("write");
+    file.into_temp_path()
 }
 
 #[tokio::test]

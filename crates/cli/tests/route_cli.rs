@@ -9,12 +9,15 @@ fn switchyard(args: &[&str]) -> std::process::Output {
         .expect("runs")
 }
 
-fn temp_file(name: &str, contents: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("switchyard-route-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
-    std::fs::write(&path, contents).unwrap();
-    path
+/// A file named `*name` holding `contents`, removed when the returned path is dropped.
+fn temp_file(name: &str, contents: &str) -> tempfile::TempPath {
+    let file = tempfile::Builder::new()
+        .prefix("switchyard-route-")
+        .suffix(name)
+        .tempfile()
+        .unwrap();
+    std::fs::write(file.path(), contents).unwrap();
+    file.into_temp_path()
 }
 
 #[test]

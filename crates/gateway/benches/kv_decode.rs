@@ -45,11 +45,12 @@ fn batches(c: &mut Criterion) {
 }
 
 fn tokenize(c: &mut Criterion) {
-    let path =
-        std::env::temp_dir().join(format!("switchyard-bench-tok-{}.json", std::process::id()));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokenizer.json");
     std::fs::write(&path, switchyard_emulator::tokenizer_json::tokenizer_json()).unwrap();
     let files = std::collections::BTreeMap::from([("m".to_string(), path)]);
     let tokenizers = switchyard_gateway::tokenize::Tokenizers::load(&files).unwrap();
+    drop(dir);
     let words: Vec<&str> = switchyard_engine::tokenizer::vocabulary()
         .map(|(w, _)| w)
         .collect();

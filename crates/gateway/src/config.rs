@@ -265,12 +265,15 @@ mod tests {
     use super::*;
     use switchyard_core::Role;
 
-    fn write(name: &str, text: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("switchyard-gw-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(name);
-        std::fs::write(&path, text).unwrap();
-        path
+    /// A file named `*name` holding `text`, removed when the returned path is dropped.
+    fn write(name: &str, text: &str) -> tempfile::TempPath {
+        let file = tempfile::Builder::new()
+            .prefix("switchyard-gw-config-")
+            .suffix(name)
+            .tempfile()
+            .unwrap();
+        std::fs::write(file.path(), text).unwrap();
+        file.into_temp_path()
     }
 
     #[test]

@@ -87,9 +87,8 @@ mod tests {
     use switchyard_engine::tokenizer::{encode, vocabulary};
 
     fn emulators() -> Tokenizers {
-        let dir = std::env::temp_dir().join(format!("switchyard-tok-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("tokenizer.json");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
         std::fs::write(&path, switchyard_emulator::tokenizer_json::tokenizer_json()).unwrap();
         Tokenizers::load(&BTreeMap::from([("m".to_string(), path)])).unwrap()
     }
