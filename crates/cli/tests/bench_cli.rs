@@ -5,6 +5,7 @@
 //! request sequence byte for byte (`--write-plan`, `--dry-run`).
 
 mod engine_support;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

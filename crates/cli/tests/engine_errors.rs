@@ -2,6 +2,7 @@
 //! right status, and the server keeps serving afterwards.
 
 mod engine_support;
+mod support;
 
 use engine_support::*;
 use serde_json::{json, Value};

@@ -2,6 +2,7 @@
 //! `[topic, seq, msgpack batch]` with a `BlockStored` event after a request.
 
 mod engine_support;
+mod support;
 
 use std::time::{Duration, Instant};
 

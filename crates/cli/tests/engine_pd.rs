@@ -3,6 +3,7 @@
 //! the returned `kv_transfer_params` with the original request to decode.
 
 mod engine_support;
+mod support;
 
 use engine_support::*;
 use serde_json::json;

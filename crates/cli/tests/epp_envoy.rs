@@ -9,6 +9,7 @@
 //! missing Envoy fails them.
 
 mod gateway_support;
+mod support;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

@@ -8,6 +8,7 @@
 
 mod gateway_support;
 mod kube_support;
+mod support;
 
 use std::collections::BTreeSet;
 use std::time::Duration;

@@ -6,6 +6,7 @@
 //! gateway's memory must stay bounded. Stops by itself in about ten seconds.
 
 mod gateway_support;
+mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -4,6 +4,7 @@
 //! never holds a graceful shutdown up. The page itself in a real browser: tests/browser/.
 
 mod gateway_support;
+mod support;
 
 use std::time::Duration;
 

@@ -5,6 +5,7 @@
 
 mod engine_support;
 mod gateway_support;
+mod support;
 
 use std::time::Duration;
 

@@ -6,6 +6,7 @@
 //! is counted and not retried within the cooldown.
 
 mod gateway_support;
+mod support;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

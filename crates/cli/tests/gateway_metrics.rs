@@ -3,6 +3,7 @@
 //! so a client cannot grow the series count.
 
 mod gateway_support;
+mod support;
 
 use gateway_support::*;
 use serde_json::json;

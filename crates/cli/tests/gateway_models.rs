@@ -4,6 +4,7 @@
 //! `/v1/models` listing aliases, and fleet file `model_aliases` applied on reload.
 
 mod gateway_support;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

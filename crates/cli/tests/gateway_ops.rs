@@ -2,6 +2,7 @@
 //! client API keys, the admin API and its token, router settings files.
 
 mod gateway_support;
+mod support;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

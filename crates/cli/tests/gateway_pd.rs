@@ -9,6 +9,7 @@
 //! a misrouted leg would show up as a failed request, and in the emulators' own counters.
 
 mod gateway_support;
+mod support;
 
 use std::time::Duration;
 

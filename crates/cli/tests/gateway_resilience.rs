@@ -3,6 +3,7 @@
 //! and admission control when every backend is saturated.
 
 mod gateway_support;
+mod support;
 
 use std::time::{Duration, Instant};
 

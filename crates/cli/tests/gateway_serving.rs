@@ -3,6 +3,7 @@
 //! request ids, every error the gateway answers itself, and its metrics.
 
 mod gateway_support;
+mod support;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};

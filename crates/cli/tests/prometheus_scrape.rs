@@ -10,6 +10,7 @@
 //! CI), where a missing Prometheus fails it.
 
 mod gateway_support;
+mod support;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -4,142 +4,20 @@
 
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+// Each test binary uses its own subset.
+#[allow(unused_imports)]
+pub use crate::support::{client, poll, prompt, sse_chunks, Proc};
+
 /// The served model of test engines.
 pub const MODEL: &str = "gw-test-model";
-
-/// A child process that printed `listening on http://ADDR`; killed when dropped.
-pub struct Proc {
-    child: Child,
-    /// `http://127.0.0.1:PORT`.
-    pub base: String,
-    /// The whole address line (what follows the address: other ports, for `epp`).
-    pub line: String,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Proc {
-    /// Runs `switchyard <args>` and waits for its address line.
-    pub fn start(args: &[String]) -> Proc {
-        Self::start_with_env(args, &[])
-    }
-
-    /// Same, with extra environment variables for the child only.
-    pub fn start_with_env(args: &[String], env: &[(&str, &str)]) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
-            .args(args)
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn switchyard");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel::<String>();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(line) => {
-                    if let Some(rest) = line.strip_prefix("listening on ") {
-                        return Proc {
-                            child,
-                            base: rest
-                                .split_whitespace()
-                                .next()
-                                .unwrap_or_default()
-                                .to_string(),
-                            line: line.clone(),
-                            lines: rx,
-                        };
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if let Ok(Some(status)) = child.try_wait() {
-                        panic!("switchyard {args:?} exited early: {status}");
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            }
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("switchyard {args:?} did not print its address in time");
-    }
-
-    /// Absolute URL of `path`.
-    pub fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    /// `host:port`.
-    pub fn authority(&self) -> String {
-        self.base.trim_start_matches("http://").to_string()
-    }
-
-    /// The port.
-    pub fn port(&self) -> u16 {
-        self.authority()
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .expect("port")
-    }
-
-    /// The process id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Sends SIGTERM.
-    pub fn terminate(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success());
-    }
-
-    /// Kills the process now and waits for it.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// Waits up to `timeout` for the process to exit; its exit code if it did.
-    pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status.code().unwrap_or(-1));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
@@ -226,14 +104,6 @@ pub fn backend(p: &Proc) -> String {
     format!("{},models={MODEL}", p.base)
 }
 
-/// An HTTP client with a sane timeout.
-pub fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .expect("client")
-}
-
 /// A response reduced to what tests look at.
 #[derive(Debug, Clone)]
 pub struct Reply {
@@ -309,34 +179,6 @@ pub fn chat(content: &str, max_tokens: u32) -> Value {
     })
 }
 
-/// A prompt of roughly `tokens` tokens, unique per `tag`.
-pub fn prompt(tag: &str, tokens: usize) -> String {
-    let mut s = format!("[{tag}] ");
-    while s.len() < tokens * 4 {
-        s.push_str("the quick brown fox jumps over the lazy dog ");
-    }
-    s.truncate(tokens * 4);
-    s
-}
-
-/// Parses an SSE body into its JSON chunks; asserts it ends with `[DONE]`.
-pub fn sse_chunks(body: &str) -> Vec<Value> {
-    let events: Vec<&str> = body
-        .split("\n\n")
-        .map(str::trim)
-        .filter(|e| !e.is_empty())
-        .collect();
-    assert_eq!(
-        events.last().copied(),
-        Some("data: [DONE]"),
-        "stream: {body}"
-    );
-    events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e.trim_start_matches("data: ")).expect("chunk json"))
-        .collect()
-}
-
 /// The sum of every sample of metric `name` whose labels contain all of `labels`.
 pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
     text.lines()
@@ -359,24 +201,6 @@ pub async fn metric(c: &reqwest::Client, p: &Proc, name: &str) -> Option<f64> {
         .ok()?;
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
-/// Polls `f` every 20 ms until it returns Some or `timeout` passes.
-pub async fn poll<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return Some(v);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// The gateway's `/admin/fleet` backends by name -> health.
