@@ -60,6 +60,10 @@ pub struct SimArgs {
     /// How traffic is split among replicas: round-robin or random.
     #[arg(long, default_value = "round-robin")]
     split: Split,
+    /// Replicas share every decision and its outcome at once (an upper bound: the gateway has
+    /// no such channel yet).
+    #[arg(long)]
+    replica_sync: bool,
     /// Seconds between metrics scrapes of each instance.
     #[arg(long, default_value_t = 1.0)]
     scrape_interval: f64,
@@ -185,6 +189,7 @@ fn sim_config(args: &SimArgs) -> anyhow::Result<SimConfig> {
         router,
         replicas: args.replicas,
         split: args.split,
+        replica_sync: args.replica_sync,
         scrape_interval_s: args.scrape_interval,
         seed: args.seed,
         ttft_slo_s: args.ttft_slo,

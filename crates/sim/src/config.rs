@@ -152,6 +152,10 @@ pub struct SimConfig {
     pub replicas: u32,
     /// How requests are divided among replicas.
     pub split: Split,
+    /// Replicas tell each other every decision and its outcome at once (first token, end): each
+    /// then counts the others' in-flight requests as its own. The upper bound of what sharing
+    /// decisions between replicas recovers; the gateway has no such channel yet.
+    pub replica_sync: bool,
     /// Seconds between metrics scrapes of an instance (each instance has its own phase).
     pub scrape_interval_s: f64,
     /// Seed of the workload, the replica split and the routers.
@@ -181,6 +185,7 @@ impl Default for SimConfig {
             router: RouterConfig::default(),
             replicas: 1,
             split: Split::RoundRobin,
+            replica_sync: false,
             scrape_interval_s: 1.0,
             seed: 1,
             ttft_slo_s: 2.0,

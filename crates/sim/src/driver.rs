@@ -83,6 +83,8 @@ struct Handoff {
 struct Sim {
     engines: Vec<Engine>,
     routers: Vec<Router>,
+    /// Replicas share decisions and outcomes ([`SimConfig::replica_sync`]).
+    replica_sync: bool,
     ids: Vec<InstanceId>,
     queue: EventQueue,
     records: Vec<RequestRecord>,
@@ -208,6 +210,7 @@ impl Sim {
         Ok(Sim {
             engines,
             routers,
+            replica_sync: config.replica_sync,
             ids,
             queue,
             records: Vec::new(),
@@ -308,9 +311,62 @@ impl Sim {
         Ok(())
     }
 
+    /// Tells the other replicas a request's outcome (first token, end, failure), as a replica
+    /// that routed it would broadcast it; what they predicted is not scored (only the deciding
+    /// replica's estimate is). Their own state is the point: a request they never heard of is
+    /// ignored.
+    fn tell_peers(&mut self, origin: u16, observation: &Observation, now: f64) {
+        if matches!(
+            observation,
+            Observation::Routed { .. } | Observation::KvEvents(..)
+        ) {
+            return;
+        }
+        for (q, router) in self.routers.iter_mut().enumerate() {
+            if q != origin as usize {
+                let _ = router.observe(observation.clone(), now);
+                router.take_predictions(&mut self.prediction_scratch);
+                self.prediction_scratch.clear();
+            }
+        }
+    }
+
+    /// Tells the other replicas that `origin` sent request `index` to `pick`: each prepares the
+    /// request itself (its own prefix match and estimate of the pick) and commits the pick as
+    /// if it had decided it, so it counts the request as its own in flight.
+    fn tell_peers_routed(
+        &mut self,
+        origin: u16,
+        route: &RouteRequest<'_>,
+        index: usize,
+        pick: InstanceId,
+        now: f64,
+    ) {
+        for (q, router) in self.routers.iter_mut().enumerate() {
+            if q == origin as usize {
+                continue;
+            }
+            if let Ok(decision) = router.route(route, now) {
+                let _ = router.observe(
+                    Observation::Routed {
+                        request: main_id(index),
+                        instance: pick,
+                        plan: decision.plan_for(pick),
+                    },
+                    now,
+                );
+                router.take_predictions(&mut self.prediction_scratch);
+                self.prediction_scratch.clear();
+            }
+        }
+    }
+
     /// Applies an observation to one replica; an unknown request (expired in the router as
     /// stale) is counted, anything else is a simulator bug and stops the run.
     fn observe(&mut self, replica: u16, observation: Observation, now: f64) -> Result<()> {
+        if self.replica_sync {
+            self.tell_peers(replica, &observation, now);
+        }
         let router = &mut self.routers[replica as usize];
         let applied = router.observe(observation, now);
         router.take_predictions(&mut self.prediction_scratch);
@@ -567,6 +623,10 @@ impl Sim {
             },
             now,
         )?;
+        if self.replica_sync && decode_pick.is_none() {
+            self.tell_peers_routed(replica, &route, index, pick, now);
+        }
+        let router = &mut self.routers[replica as usize];
         if let Some(d) = decode_pick {
             router.observe(
                 Observation::Routed {

@@ -208,12 +208,22 @@ fn replicas_run(
     replicas: u32,
     kv_events: Option<switchyard_sim::KvEventsSim>,
 ) -> (f64, f64, u64, u64) {
+    replicas_run_at(replicas, kv_events, false, 60.0)
+}
+
+fn replicas_run_at(
+    replicas: u32,
+    kv_events: Option<switchyard_sim::KvEventsSim>,
+    replica_sync: bool,
+    rate: f64,
+) -> (f64, f64, u64, u64) {
     let config = SimConfig {
         replicas,
         kv_events,
+        replica_sync,
         ..small_fleet(4)
     };
-    let spec = shared_prefix(600, 60.0);
+    let spec = shared_prefix(600, rate);
     let data = simulate(&config, "cost", "base", spec.build(1).unwrap()).unwrap();
     let (mut prompt, mut cached, mut ttft) = (0u64, 0u64, 0.0);
     for r in &data.records {
@@ -229,6 +239,18 @@ fn replicas_run(
         data.kv_batches_lost,
         data.kv_fallbacks,
     )
+}
+
+#[test]
+fn replicas_that_share_their_decisions_route_like_one() {
+    let rate = 180.0;
+    let (_, one, ..) = replicas_run_at(1, None, false, rate);
+    let (_, apart, ..) = replicas_run_at(4, None, false, rate);
+    let (_, synced, ..) = replicas_run_at(4, None, true, rate);
+    eprintln!("mean TTFT: one {one:.4}, four apart {apart:.4}, four synced {synced:.4}");
+    assert!(apart > one * 1.1, "one {one:.4}, four apart {apart:.4}");
+    assert!(synced < apart, "synced {synced:.4}, apart {apart:.4}");
+    assert!(synced < one * 1.05, "synced {synced:.4}, one {one:.4}");
 }
 
 #[test]
