@@ -64,6 +64,9 @@ pub struct SimArgs {
     /// no such channel yet).
     #[arg(long)]
     replica_sync: bool,
+    /// With --replica-sync: seconds from a replica's decision to the others applying it.
+    #[arg(long, default_value_t = 0.0, value_name = "SECONDS")]
+    replica_sync_delay: f64,
     /// Seconds between metrics scrapes of each instance.
     #[arg(long, default_value_t = 1.0)]
     scrape_interval: f64,
@@ -190,6 +193,7 @@ fn sim_config(args: &SimArgs) -> anyhow::Result<SimConfig> {
         replicas: args.replicas,
         split: args.split,
         replica_sync: args.replica_sync,
+        replica_sync_delay_s: args.replica_sync_delay,
         scrape_interval_s: args.scrape_interval,
         seed: args.seed,
         ttft_slo_s: args.ttft_slo,

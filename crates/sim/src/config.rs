@@ -156,6 +156,9 @@ pub struct SimConfig {
     /// then counts the others' in-flight requests as its own. The upper bound of what sharing
     /// decisions between replicas recovers; the gateway has no such channel yet.
     pub replica_sync: bool,
+    /// With `replica_sync`: seconds from a replica's decision (or outcome) to the others
+    /// applying it.
+    pub replica_sync_delay_s: f64,
     /// Seconds between metrics scrapes of an instance (each instance has its own phase).
     pub scrape_interval_s: f64,
     /// Seed of the workload, the replica split and the routers.
@@ -186,6 +189,7 @@ impl Default for SimConfig {
             replicas: 1,
             split: Split::RoundRobin,
             replica_sync: false,
+            replica_sync_delay_s: 0.0,
             scrape_interval_s: 1.0,
             seed: 1,
             ttft_slo_s: 2.0,
@@ -218,6 +222,9 @@ impl SimConfig {
         }
         if !(self.scrape_interval_s.is_finite() && self.scrape_interval_s > 0.0) {
             return Err(setting("scrape_interval_s", "must be > 0"));
+        }
+        if !(self.replica_sync_delay_s.is_finite() && self.replica_sync_delay_s >= 0.0) {
+            return Err(setting("replica_sync_delay_s", "must be >= 0"));
         }
         if !(self.ttft_slo_s.is_finite() && self.ttft_slo_s > 0.0) {
             return Err(setting("ttft_slo_s", "must be > 0"));

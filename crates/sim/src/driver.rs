@@ -83,8 +83,11 @@ struct Handoff {
 struct Sim {
     engines: Vec<Engine>,
     routers: Vec<Router>,
-    /// Replicas share decisions and outcomes ([`SimConfig::replica_sync`]).
+    /// Replicas share decisions and outcomes ([`SimConfig::replica_sync`]), this late.
     replica_sync: bool,
+    replica_sync_delay_s: f64,
+    /// Messages between replicas on their way, in sending order (one delay for all).
+    peer_queue: VecDeque<PeerDelivery>,
     ids: Vec<InstanceId>,
     queue: EventQueue,
     records: Vec<RequestRecord>,
@@ -105,6 +108,26 @@ struct Sim {
     ttft_errors: Vec<f64>,
     cached_errors: Vec<f64>,
     kv: Option<KvDelivery>,
+}
+
+/// What one router replica tells the others (`--replica-sync`).
+enum PeerMessage {
+    /// It sent request `index` to `pick` (with the token ids it matched, when it has them).
+    Routed {
+        request: Request,
+        tokens: Option<Arc<[u32]>>,
+        index: usize,
+        pick: InstanceId,
+    },
+    /// A first token, an end or a failure of a request it routed.
+    Outcome(Observation),
+}
+
+/// A message between replicas on its way.
+struct PeerDelivery {
+    at: f64,
+    origin: u16,
+    message: PeerMessage,
 }
 
 /// One engine's batch of KV events on its way to one replica.
@@ -211,6 +234,8 @@ impl Sim {
             engines,
             routers,
             replica_sync: config.replica_sync,
+            replica_sync_delay_s: config.replica_sync_delay_s,
+            peer_queue: VecDeque::new(),
             ids,
             queue,
             records: Vec::new(),
@@ -311,10 +336,8 @@ impl Sim {
         Ok(())
     }
 
-    /// Tells the other replicas a request's outcome (first token, end, failure), as a replica
-    /// that routed it would broadcast it; what they predicted is not scored (only the deciding
-    /// replica's estimate is). Their own state is the point: a request they never heard of is
-    /// ignored.
+    /// Queues a request's outcome (first token, end, failure) for the other replicas, as a
+    /// replica that routed it would broadcast it.
     fn tell_peers(&mut self, origin: u16, observation: &Observation, now: f64) {
         if matches!(
             observation,
@@ -322,39 +345,66 @@ impl Sim {
         ) {
             return;
         }
-        for (q, router) in self.routers.iter_mut().enumerate() {
-            if q != origin as usize {
-                let _ = router.observe(observation.clone(), now);
-                router.take_predictions(&mut self.prediction_scratch);
-                self.prediction_scratch.clear();
-            }
-        }
+        self.peer_queue.push_back(PeerDelivery {
+            at: now + self.replica_sync_delay_s,
+            origin,
+            message: PeerMessage::Outcome(observation.clone()),
+        });
     }
 
-    /// Tells the other replicas that `origin` sent request `index` to `pick`: each prepares the
-    /// request itself (its own prefix match and estimate of the pick) and commits the pick as
-    /// if it had decided it, so it counts the request as its own in flight.
-    fn tell_peers_routed(
-        &mut self,
-        origin: u16,
-        route: &RouteRequest<'_>,
-        index: usize,
-        pick: InstanceId,
-        now: f64,
-    ) {
-        for (q, router) in self.routers.iter_mut().enumerate() {
-            if q == origin as usize {
-                continue;
-            }
-            if let Ok(decision) = router.route(route, now) {
-                let _ = router.observe(
-                    Observation::Routed {
-                        request: main_id(index),
-                        instance: pick,
-                        plan: decision.plan_for(pick),
-                    },
-                    now,
-                );
+    /// When the next message between replicas arrives.
+    fn next_peer_delivery(&self) -> Option<f64> {
+        self.peer_queue.front().map(|d| d.at)
+    }
+
+    /// Delivers every message between replicas due by `now`. A decision: each other replica
+    /// prepares the request itself (its own prefix match and estimate of the pick) and commits
+    /// the pick as if it had decided it, so it counts the request as its own in flight. An
+    /// outcome: applied as the replica's own (one it never heard of is ignored). What the
+    /// others predict is not scored: only the deciding replica's estimate is.
+    fn deliver_peer_messages(&mut self, now: f64) {
+        while self.peer_queue.front().is_some_and(|d| d.at <= now) {
+            let Some(delivery) = self.peer_queue.pop_front() else {
+                break;
+            };
+            for (q, router) in self.routers.iter_mut().enumerate() {
+                if q == delivery.origin as usize {
+                    continue;
+                }
+                match &delivery.message {
+                    PeerMessage::Routed {
+                        request,
+                        tokens,
+                        index,
+                        pick,
+                    } => {
+                        let pieces = Pieces::of(request);
+                        let route = RouteRequest {
+                            model: &request.model,
+                            adapter: request.adapter.as_deref(),
+                            prompt: pieces.router_prompt(),
+                            max_tokens: request.max_tokens,
+                            cache_salt: request.cache_salt.as_deref(),
+                            session_id: request.session_id.as_deref(),
+                            phase: Phase::Any,
+                            token_ids: tokens.as_deref(),
+                            kind: Default::default(),
+                        };
+                        if let Ok(decision) = router.route(&route, delivery.at) {
+                            let _ = router.observe(
+                                Observation::Routed {
+                                    request: main_id(*index),
+                                    instance: *pick,
+                                    plan: decision.plan_for(*pick),
+                                },
+                                delivery.at,
+                            );
+                        }
+                    }
+                    PeerMessage::Outcome(observation) => {
+                        let _ = router.observe(observation.clone(), delivery.at);
+                    }
+                }
                 router.take_predictions(&mut self.prediction_scratch);
                 self.prediction_scratch.clear();
             }
@@ -624,7 +674,16 @@ impl Sim {
             now,
         )?;
         if self.replica_sync && decode_pick.is_none() {
-            self.tell_peers_routed(replica, &route, index, pick, now);
+            self.peer_queue.push_back(PeerDelivery {
+                at: now + self.replica_sync_delay_s,
+                origin: replica,
+                message: PeerMessage::Routed {
+                    request: request.clone(),
+                    tokens: token_ids.map(|_| tokens.clone()),
+                    index,
+                    pick,
+                },
+            });
         }
         let router = &mut self.routers[replica as usize];
         if let Some(d) = decode_pick {
@@ -737,14 +796,22 @@ pub fn simulate_with(
             break;
         }
         let next_event = sim.queue.peek_time();
-        // KV events due before whatever comes next are applied first.
+        // KV events and messages between replicas due before whatever comes next are applied
+        // first.
+        let next = next_event
+            .into_iter()
+            .chain(next_arrival)
+            .fold(f64::INFINITY, f64::min);
         if let Some(due) = sim.next_kv_delivery() {
-            let next = next_event
-                .into_iter()
-                .chain(next_arrival)
-                .fold(f64::INFINITY, f64::min);
             if due <= next {
                 sim.deliver_kv_events(due)?;
+                clock = clock.max(due);
+                continue;
+            }
+        }
+        if let Some(due) = sim.next_peer_delivery() {
+            if due <= next {
+                sim.deliver_peer_messages(due);
                 clock = clock.max(due);
                 continue;
             }

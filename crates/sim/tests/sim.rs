@@ -251,6 +251,27 @@ fn replicas_that_share_their_decisions_route_like_one() {
     assert!(apart > one * 1.1, "one {one:.4}, four apart {apart:.4}");
     assert!(synced < apart, "synced {synced:.4}, apart {apart:.4}");
     assert!(synced < one * 1.05, "synced {synced:.4}, one {one:.4}");
+    // Messages that never arrive in time change nothing.
+    let config = SimConfig {
+        replicas: 4,
+        replica_sync: true,
+        replica_sync_delay_s: 1e9,
+        ..small_fleet(4)
+    };
+    let data = simulate(
+        &config,
+        "cost",
+        "base",
+        shared_prefix(600, rate).build(1).unwrap(),
+    )
+    .unwrap();
+    let never = data
+        .records
+        .iter()
+        .map(|r| r.first_token - r.arrival)
+        .sum::<f64>()
+        / data.records.len() as f64;
+    assert_eq!(never, apart);
 }
 
 #[test]
