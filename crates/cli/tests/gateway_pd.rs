@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use gateway_support::*;
 use serde_json::{json, Value};
+use support::temp_file;
 
 /// Output tokens asked of every test request.
 const MAX: u64 = 6;
@@ -252,17 +253,6 @@ async fn nixl_style_hands_off_streamed_and_not() {
 #[tokio::test]
 async fn sglang_style_runs_both_legs_streamed_and_not() {
     serves_disaggregated("sglang").await;
-}
-
-/// A file named `*name` holding `text`, removed when the returned path is dropped.
-fn temp_file(name: &str, text: &str) -> tempfile::TempPath {
-    let file = tempfile::Builder::new()
-        .prefix("switchyard-gw-pd-")
-        .suffix(name)
-        .tempfile()
-        .expect("temp file");
-    std::fs::write(file.path(), text).expect("write");
-    file.into_temp_path()
 }
 
 #[tokio::test]

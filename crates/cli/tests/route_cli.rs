@@ -1,23 +1,16 @@
 //! `switchyard route` against fleet files.
 
+mod support;
+
 use std::process::Command;
+
+use support::temp_file;
 
 fn switchyard(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_switchyard"))
         .args(args)
         .output()
         .expect("runs")
-}
-
-/// A file named `*name` holding `contents`, removed when the returned path is dropped.
-fn temp_file(name: &str, contents: &str) -> tempfile::TempPath {
-    let file = tempfile::Builder::new()
-        .prefix("switchyard-route-")
-        .suffix(name)
-        .tempfile()
-        .unwrap();
-    std::fs::write(file.path(), contents).unwrap();
-    file.into_temp_path()
 }
 
 #[test]

@@ -123,6 +123,26 @@ enum PeerMessage {
     Outcome(Observation),
 }
 
+/// What a router sees of a workload request (`token_ids`: what a gateway with the model's
+/// tokenizer would match).
+fn route_request<'a>(
+    request: &'a Request,
+    pieces: &'a Pieces<'a>,
+    token_ids: Option<&'a [u32]>,
+) -> RouteRequest<'a> {
+    RouteRequest {
+        model: &request.model,
+        adapter: request.adapter.as_deref(),
+        prompt: pieces.router_prompt(),
+        max_tokens: request.max_tokens,
+        cache_salt: request.cache_salt.as_deref(),
+        session_id: request.session_id.as_deref(),
+        phase: Phase::Any,
+        token_ids,
+        kind: Default::default(),
+    }
+}
+
 /// A message between replicas on its way.
 struct PeerDelivery {
     at: f64,
@@ -367,29 +387,22 @@ impl Sim {
             let Some(delivery) = self.peer_queue.pop_front() else {
                 break;
             };
-            for (q, router) in self.routers.iter_mut().enumerate() {
-                if q == delivery.origin as usize {
-                    continue;
-                }
-                match &delivery.message {
-                    PeerMessage::Routed {
-                        request,
-                        tokens,
-                        index,
-                        pick,
-                    } => {
-                        let pieces = Pieces::of(request);
-                        let route = RouteRequest {
-                            model: &request.model,
-                            adapter: request.adapter.as_deref(),
-                            prompt: pieces.router_prompt(),
-                            max_tokens: request.max_tokens,
-                            cache_salt: request.cache_salt.as_deref(),
-                            session_id: request.session_id.as_deref(),
-                            phase: Phase::Any,
-                            token_ids: tokens.as_deref(),
-                            kind: Default::default(),
-                        };
+            let peers = self
+                .routers
+                .iter_mut()
+                .enumerate()
+                .filter(|&(q, _)| q != delivery.origin as usize)
+                .map(|(_, router)| router);
+            match &delivery.message {
+                PeerMessage::Routed {
+                    request,
+                    tokens,
+                    index,
+                    pick,
+                } => {
+                    let pieces = Pieces::of(request);
+                    let route = route_request(request, &pieces, tokens.as_deref());
+                    for router in peers {
                         if let Ok(decision) = router.route(&route, delivery.at) {
                             let _ = router.observe(
                                 Observation::Routed {
@@ -400,13 +413,17 @@ impl Sim {
                                 delivery.at,
                             );
                         }
-                    }
-                    PeerMessage::Outcome(observation) => {
-                        let _ = router.observe(observation.clone(), delivery.at);
+                        router.take_predictions(&mut self.prediction_scratch);
+                        self.prediction_scratch.clear();
                     }
                 }
-                router.take_predictions(&mut self.prediction_scratch);
-                self.prediction_scratch.clear();
+                PeerMessage::Outcome(observation) => {
+                    for router in peers {
+                        let _ = router.observe(observation.clone(), delivery.at);
+                        router.take_predictions(&mut self.prediction_scratch);
+                        self.prediction_scratch.clear();
+                    }
+                }
             }
         }
     }
@@ -629,17 +646,7 @@ impl Sim {
         let pieces = Pieces::of(request);
         // With KV events the router sees token ids, as a gateway with the model's tokenizer.
         let token_ids = self.kv.is_some().then_some(&tokens[..]);
-        let route = RouteRequest {
-            model: &request.model,
-            adapter,
-            prompt: pieces.router_prompt(),
-            max_tokens: request.max_tokens,
-            cache_salt: request.cache_salt.as_deref(),
-            session_id: request.session_id.as_deref(),
-            phase: Phase::Any,
-            token_ids,
-            kind: Default::default(),
-        };
+        let route = route_request(request, &pieces, token_ids);
         let router = &mut self.routers[replica as usize];
         let decision = match router.route(&route, now) {
             Ok(d) => d,

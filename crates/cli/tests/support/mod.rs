@@ -142,6 +142,17 @@ impl Drop for Proc {
     }
 }
 
+/// A file named `*name` holding `text`, removed when the returned path is dropped.
+pub fn temp_file(name: &str, text: &str) -> tempfile::TempPath {
+    let file = tempfile::Builder::new()
+        .prefix("switchyard-test-")
+        .suffix(name)
+        .tempfile()
+        .expect("temp file");
+    std::fs::write(file.path(), text).expect("write");
+    file.into_temp_path()
+}
+
 /// An HTTP client with a sane timeout.
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
