@@ -170,6 +170,28 @@ pub async fn policy(State(gw): Shared, headers: HeaderMap, body: Bytes) -> Respo
     }
 }
 
+/// `POST /admin/peer-sync`: a batch of another replica's decisions and outcomes
+/// ([`crate::peers`]); answers how many were applied and ignored.
+pub async fn peer_sync(State(gw): Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let id = echo_id(&gw, &headers);
+    if let Err(e) = check(&gw, &headers) {
+        return proxy::reject(&gw, e, &id);
+    }
+    let Some(peers) = gw.peers.as_ref() else {
+        let e = ApiError::bad_admin("replica sync is off: start the gateway with --peer");
+        return proxy::reject(&gw, e, &id);
+    };
+    match crate::peer_sync::receive(&gw, peers, &body) {
+        Ok((applied, ignored)) => {
+            (0..applied).for_each(|_| gw.metrics.peer_message("applied"));
+            (0..ignored).for_each(|_| gw.metrics.peer_message("ignored"));
+            let body: Value = json!({"applied": applied, "ignored": ignored});
+            with_id(axum::Json(body).into_response(), id)
+        }
+        Err(e) => proxy::reject(&gw, ApiError::malformed(e), &id),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -88,6 +88,9 @@ pub struct Settings {
     /// Hugging Face tokenizer.json per served base model (`--tokenizer MODEL=PATH`): text
     /// prompts for it are tokenized for exact matching.
     pub tokenizers: BTreeMap<String, PathBuf>,
+    /// Other replicas in front of the same fleet (`--peer URL`): decisions and outcomes are
+    /// shared with them (the `peers` module).
+    pub peers: Vec<http::Uri>,
 }
 
 impl Default for Settings {
@@ -127,6 +130,7 @@ impl Default for Settings {
             kv_events_silence: Duration::from_secs(10),
             kv_events_probation: Duration::from_secs(5),
             tokenizers: BTreeMap::new(),
+            peers: Vec::new(),
         }
     }
 }

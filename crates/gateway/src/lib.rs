@@ -40,6 +40,8 @@ pub mod membership;
 pub mod metrics;
 pub mod parse;
 pub mod pd;
+pub mod peer_sync;
+pub mod peers;
 pub mod promtext;
 pub mod proxy;
 pub mod scrape;
@@ -97,6 +99,8 @@ pub struct RunningGateway {
     _watcher: Option<watch::FleetWatcher>,
     /// The dynamic adapter placement task, stopped at shutdown.
     placement: Option<JoinHandle<()>>,
+    /// The replica-sync senders and sweep (`--peer`), stopped at shutdown.
+    peers: Vec<JoinHandle<()>>,
 }
 
 /// The fleet side of a gateway, without a listener: the router with the configured backends
@@ -182,6 +186,7 @@ pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
         .placement
         .enabled
         .then(|| tokio::spawn(adapter_loader::run(gw.clone())));
+    let peers = peer_sync::spawn(&gw);
     Ok(RunningGateway {
         addr,
         gateway: gw,
@@ -189,6 +194,7 @@ pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
         task,
         _watcher: watcher,
         placement,
+        peers,
     })
 }
 
@@ -239,8 +245,12 @@ impl RunningGateway {
 }
 
 impl RunningGateway {
-    /// Stops the placement task (an action in progress is abandoned; the engine finishes it).
+    /// Stops the placement task (an action in progress is abandoned; the engine finishes it)
+    /// and the replica sync.
     fn stop_placement(&mut self) {
+        for task in self.peers.drain(..) {
+            task.abort();
+        }
         if let Some(task) = self.placement.take() {
             task.abort();
         }

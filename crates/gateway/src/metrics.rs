@@ -121,6 +121,8 @@ pub struct Metrics {
     health_checks: Family<ResultLabels, Counter>,
     kv_events: KvEventFamilies,
     reloads: Family<ResultLabel, Counter>,
+    /// Replica-sync messages by result (`--peer`).
+    peer_messages: Family<ResultLabel, Counter>,
     /// Failed Kubernetes discovery calls (list, watch): one per failure, whatever the cause.
     pub discovery_errors: Counter,
     /// Unix time of the last successful Kubernetes discovery call (0: never).
@@ -402,6 +404,12 @@ impl Metrics {
             "Sequence gaps asked of a backend's KV event replay endpoint, by outcome (filled: no fallback; partial; failed)",
             kv_events.replays.clone(),
         );
+        let peer_messages = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "switchyard_peer_messages",
+            "Replica-sync messages (--peer) by result: sent, dropped (a peer's queue full or its batch failed), applied and ignored (received)",
+            peer_messages.clone(),
+        );
         let reloads = Family::<ResultLabel, Counter>::default();
         registry.register(
             "switchyard_fleet_reloads",
@@ -465,6 +473,7 @@ impl Metrics {
             health_checks,
             kv_events,
             reloads,
+            peer_messages,
             discovery_errors,
             discovery_last_sync,
             discovery_endpoints,
@@ -664,6 +673,13 @@ impl Metrics {
                 backend: backend.to_string(),
                 result: cause,
             })
+            .inc();
+    }
+
+    /// Counts a replica-sync message: `sent`, `dropped`, `applied` or `ignored`.
+    pub fn peer_message(&self, result: &'static str) {
+        self.peer_messages
+            .get_or_create(&ResultLabel { result })
             .inc();
     }
 

@@ -323,6 +323,20 @@ where
         Ok(r) => r,
         Err(e) => return reject(&gw, e, &request_id),
     };
+    if let (Some(peers), Some(first)) = (&gw.peers, routed.candidates.first()) {
+        if !routed
+            .decision
+            .as_ref()
+            .is_some_and(|d| d.is_disaggregated())
+        {
+            let wire = match endpoint {
+                Endpoint::Completions => crate::peers::WireEndpoint::Completions,
+                Endpoint::Chat => crate::peers::WireEndpoint::Chat,
+                Endpoint::Embeddings => crate::peers::WireEndpoint::Embeddings,
+            };
+            peers.routed(&gw.metrics, rid, first.name(), wire, session, &bytes);
+        }
+    }
     // Ask for the usage chunk the client did not ask for, to learn from it; it is removed
     // again on the way back.
     let strip_usage = gw.settings.inject_usage

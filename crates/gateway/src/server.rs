@@ -53,6 +53,11 @@ fn ops_routes() -> Router<Arc<Gateway>> {
         .route("/admin/drain/{name}", post(admin::drain))
         .route("/admin/undrain/{name}", post(admin::undrain))
         .route("/admin/policy", post(admin::policy))
+        // A batch carries whole request bodies.
+        .route(
+            "/admin/peer-sync",
+            post(admin::peer_sync).layer(axum::extract::DefaultBodyLimit::max(64 << 20)),
+        )
         .route("/dashboard", get(dashboard::page))
         .route("/dashboard/snapshot", get(dashboard::snapshot_json))
         .route("/dashboard/events", get(dashboard::events))

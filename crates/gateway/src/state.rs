@@ -271,6 +271,8 @@ pub struct Gateway {
     pub body_budget: crate::body_budget::BodyBudget,
     /// What the dashboard shows beyond the router and the metrics (bounded rings).
     pub live: crate::live::Live,
+    /// Replicas this one shares its decisions with (`--peer`).
+    pub peers: Option<crate::peers::Peers>,
     /// Wakes what waits for shutdown (the dashboard's event streams) when it begins.
     shutdown: tokio::sync::Notify,
     started: Instant,
@@ -313,7 +315,17 @@ impl Gateway {
             ));
         }
         let block_bytes = registry.router.block_bytes();
+        let id_prefix = nanos ^ std::process::id().rotate_left(16);
+        let peers = (!settings.peers.is_empty()).then(|| {
+            // A replica's name for its peers: random per process, so a restarted replica's
+            // requests are never confused with its earlier life's.
+            let origin = (u64::from(id_prefix) << 32)
+                ^ u64::from(std::process::id())
+                ^ u64::from(nanos).rotate_left(17);
+            crate::peers::Peers::new(&settings.peers, origin)
+        });
         Arc::new(Gateway {
+            peers,
             block_bytes,
             tokenizers,
             body_budget: crate::body_budget::BodyBudget::new(settings.max_body_memory),
@@ -329,7 +341,7 @@ impl Gateway {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             next_request: AtomicU64::new(1),
-            id_prefix: nanos ^ std::process::id().rotate_left(16),
+            id_prefix,
             shutting_down: AtomicBool::new(false),
         })
     }
@@ -400,6 +412,9 @@ impl Gateway {
     pub fn observe(&self, observation: Observation) {
         let now = self.now();
         let mut predictions = Vec::new();
+        if let Some(peers) = &self.peers {
+            peers.observed(&self.metrics, &observation);
+        }
         {
             let mut registry = self.registry.lock();
             registry.observe(observation, now);

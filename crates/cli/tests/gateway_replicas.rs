@@ -1,0 +1,226 @@
+//! Two `switchyard serve` replicas in front of the same emulated engines, told of each other
+//! with `--peer`: a conversation one replica placed continues on the same engine through the
+//! other, the other counts the first one's requests as load, and forgets them when the first
+//! one dies.
+
+mod gateway_support;
+mod support;
+
+use std::time::Duration;
+
+use gateway_support::*;
+use serde_json::json;
+
+const TOKEN: &str = "replica-token";
+
+fn replica(port: u16, peer: u16, backends: &[String]) -> Proc {
+    let listen = format!("127.0.0.1:{port}");
+    let peer = format!("http://127.0.0.1:{peer}");
+    let mut args = vec![
+        "serve",
+        "--listen",
+        &listen,
+        "--peer",
+        &peer,
+        "--admin-token",
+        TOKEN,
+        "--debug-header",
+        "--health-interval",
+        "0.1",
+        "--scrape-interval",
+        "0.1",
+    ];
+    for b in backends {
+        args.extend(["--backend", b.as_str()]);
+    }
+    Proc::start(&args.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+}
+
+/// Requests the replica counts in flight over all backends (`/admin/fleet`).
+async fn in_flight(c: &reqwest::Client, gw: &Proc) -> u64 {
+    let fleet = get_with(
+        c,
+        &gw.url("/admin/fleet"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+    )
+    .await
+    .json();
+    fleet["backends"]
+        .as_array()
+        .expect("backends")
+        .iter()
+        .map(|b| {
+            b["router_load"]["pending_requests"].as_u64().unwrap_or(0)
+                + b["router_load"]["running_requests"].as_u64().unwrap_or(0)
+        })
+        .sum()
+}
+
+async fn applied(c: &reqwest::Client, gw: &Proc) -> f64 {
+    let m = get_with(c, &gw.url("/metrics"), &[]).await.text;
+    metric_sum(
+        &m,
+        "switchyard_peer_messages_total",
+        &["result=\"applied\""],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_that_share_decisions_continue_each_others_conversations() {
+    let engines = [engine_on(0, &[]), engine_on(0, &[])];
+    let backends: Vec<String> = engines.iter().map(backend).collect();
+    let (port_a, port_b) = (closed_port(), closed_port());
+    let a = replica(port_a, port_b, &backends);
+    let mut b = replica(port_b, port_a, &backends);
+    let c = client();
+
+    // Four conversations, each started on A and continued on B: without the shared decisions B
+    // would pick between two idle engines with nothing cached for it (by chance right for all
+    // four one time in sixteen).
+    for conversation in 0..4 {
+        let first_turn = prompt(&format!("replica-conversation-{conversation}"), 600);
+        let body = json!({"model": MODEL, "prompt": first_turn, "max_tokens": 2});
+        let before = applied(&c, &b).await;
+        let first = post(&c, &a.url("/v1/completions"), &body).await;
+        assert_eq!(first.status, 200, "{}", first.text);
+        // Routed and end reach B (a JSON answer has no first token of its own).
+        let heard = poll(Duration::from_secs(10), || async {
+            (applied(&c, &b).await >= before + 2.0).then_some(())
+        })
+        .await;
+        assert!(heard.is_some(), "B did not hear A's request");
+        let next_turn = format!("{first_turn} and then the next question");
+        let body = json!({"model": MODEL, "prompt": next_turn, "max_tokens": 2});
+        let second = post(&c, &b.url("/v1/completions"), &body).await;
+        assert_eq!(second.status, 200, "{}", second.text);
+        assert_eq!(
+            first.header("x-switchyard-backend"),
+            second.header("x-switchyard-backend"),
+            "conversation {conversation}: {}",
+            second.header("x-switchyard-decision").unwrap_or_default()
+        );
+        let cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        assert!(
+            cached >= 500,
+            "conversation {conversation}: {}",
+            second.text
+        );
+    }
+
+    // A long generation through B is counted by A while it runs ...
+    let long = json!({"model": MODEL, "prompt": prompt("replica-long", 50), "max_tokens": 3000, "stream": true});
+    let stream = tokio::spawn({
+        let c = c.clone();
+        let url = b.url("/v1/completions");
+        // Read to the end: dropping the answer would cancel the request.
+        async move {
+            let r = c.post(url).json(&long).send().await?;
+            r.text().await
+        }
+    });
+    let counted = poll(Duration::from_secs(10), || async {
+        (in_flight(&c, &a).await >= 1).then_some(())
+    })
+    .await;
+    assert!(counted.is_some(), "A never counted B's request");
+    // ... and forgotten once B is gone (its heartbeats stop).
+    b.kill();
+    let forgotten = poll(Duration::from_secs(20), || async {
+        (in_flight(&c, &a).await == 0).then_some(())
+    })
+    .await;
+    assert!(
+        forgotten.is_some(),
+        "A still counts the dead replica's request"
+    );
+    let _ = stream.await;
+}
+
+#[tokio::test]
+async fn peer_sync_is_refused_without_the_token_or_the_flag() {
+    let engine = engine(&[]);
+    let c = client();
+    let plain = gateway(&["--backend", &backend(&engine), "--admin-token", TOKEN]);
+    let auth = [("authorization", format!("Bearer {TOKEN}"))];
+    let batch = "{\"origin\":1}\n";
+    let r = c
+        .post(plain.url("/admin/peer-sync"))
+        .header(auth[0].0, &auth[0].1)
+        .body(batch)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400, "a gateway without --peer takes no batches");
+    let port = closed_port();
+    let peered = replica(0, port, &[backend(&engine)]);
+    let r = c
+        .post(peered.url("/admin/peer-sync"))
+        .body(batch)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    let r = c
+        .post(peered.url("/admin/peer-sync"))
+        .header(auth[0].0, &auth[0].1)
+        .body("not json\n")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let r = c
+        .post(peered.url("/admin/peer-sync"))
+        .header(auth[0].0, &auth[0].1)
+        .body("{\"origin\":1}\n{\"failed\":{\"id\":9}}\n{\"routed\":{\"id\":1,\"backend\":\"nope\",\"endpoint\":\"chat\",\"body\":{}}}\n")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let answer: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(answer, json!({"applied": 0, "ignored": 2}));
+
+    // A peer's request counts as load here until a heartbeat no longer lists it (its end was
+    // lost on the way).
+    let name = engine.authority();
+    let routed = json!({"routed": {"id": 5, "backend": name, "endpoint": "completions",
+        "body": {"model": MODEL, "prompt": prompt("peer-routed", 100), "max_tokens": 2}}});
+    let r = c
+        .post(peered.url("/admin/peer-sync"))
+        .header(auth[0].0, &auth[0].1)
+        .body(format!("{{\"origin\":2}}\n{routed}\n"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.json::<serde_json::Value>().await.unwrap()["applied"], 1);
+    assert_eq!(in_flight(&c, &peered).await, 1);
+    let r = c
+        .post(peered.url("/admin/peer-sync"))
+        .header(auth[0].0, &auth[0].1)
+        .body("{\"origin\":2,\"live\":[]}\n")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(in_flight(&c, &peered).await, 0);
+
+    let err = fails(&[
+        "serve",
+        "--backend",
+        &backend(&engine),
+        "--peer",
+        "http://127.0.0.1:1",
+    ]);
+    assert!(err.contains("--peer needs --admin-token"), "{err}");
+    let err = fails(&[
+        "serve",
+        "--backend",
+        &backend(&engine),
+        "--admin-token",
+        "t",
+        "--peer",
+        "ftp://x",
+    ]);
+    assert!(err.contains("expected http://HOST:PORT"), "{err}");
+}
