@@ -125,6 +125,13 @@ pub struct FleetArgs {
     /// gateway otherwise adds it to learn from the engine's usage and strips that chunk).
     #[arg(long)]
     pub no_usage_injection: bool,
+    /// Another replica in front of the same fleet, as http://HOST:PORT (its HTTP port; for
+    /// `epp`, its metrics port), repeatable: every request routed here (its body and pick) and
+    /// its first token and end are sent to it within milliseconds, and it sends its own, so the
+    /// replicas' prefix indexes and load counts agree. Needs --admin-token, the same on every
+    /// replica.
+    #[arg(long = "peer", value_name = "URL")]
+    pub peers: Vec<String>,
     /// Threads serving requests (default: one per CPU, or TOKIO_WORKER_THREADS). One thread
     /// spends the least CPU per request when the gateway shares a small machine.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
@@ -186,6 +193,17 @@ impl FleetArgs {
         if self.scrape_interval.is_zero() || self.health_interval.is_zero() {
             bail!("--scrape-interval and --health-interval must be > 0");
         }
+        let peers = self
+            .peers
+            .iter()
+            .map(|p| match p.parse::<http::Uri>() {
+                Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Ok(uri),
+                _ => Err(anyhow!("--peer `{p}`: expected http://HOST:PORT")),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if !peers.is_empty() && self.admin_token.is_none() {
+            bail!("--peer needs --admin-token (the same on every replica): peers sync through /admin/peer-sync");
+        }
         Ok(Settings {
             router,
             backends,
@@ -214,6 +232,7 @@ impl FleetArgs {
             inject_usage: !self.no_usage_injection,
             model_aliases: parse_model_aliases(&self.model_aliases)?,
             strict_models: self.strict_models,
+            peers,
             ..Settings::default()
         })
     }

@@ -80,12 +80,6 @@ pub struct ServeArgs {
     /// whatever this says.
     #[arg(long, default_value = "nixl", value_name = "nixl|sglang")]
     pub pd_style: PdStyle,
-    /// Another replica of this gateway in front of the same fleet, as http://HOST:PORT
-    /// (repeatable): every request routed here (its body and pick) and its first token and end
-    /// are sent to it within milliseconds, and it sends its own, so the replicas' prefix
-    /// indexes and load counts agree. Needs --admin-token, the same on every replica.
-    #[arg(long = "peer", value_name = "URL")]
-    pub peers: Vec<String>,
     #[command(flatten)]
     pub placement: PlacementArgs,
 }
@@ -190,22 +184,7 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
         }
         api_keys.extend(keys);
     }
-    let peers = args
-        .peers
-        .iter()
-        .map(|p| {
-            let uri: http::Uri = p.parse().with_context(|| format!("--peer `{p}`"))?;
-            if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-                bail!("--peer `{p}`: expected http://HOST:PORT");
-            }
-            Ok(uri)
-        })
-        .collect::<Result<Vec<_>>>()?;
-    if !peers.is_empty() && common.admin_token.is_none() {
-        bail!("--peer needs --admin-token (the same on every replica): peers sync through /admin/peer-sync");
-    }
     Ok(Settings {
-        peers,
         listen: args.listen,
         max_header_bytes: args.max_header_bytes,
         header_read_timeout: args.header_read_timeout,

@@ -417,6 +417,115 @@ async fn without_response_bodies_the_head_and_the_end_are_enough() {
     assert!(settled.is_some(), "settled at the end of each stream");
 }
 
+/// A picker and a `serve` replica told of each other with `--peer`: conversations the picker
+/// placed (through Envoy) continue on the same engine through the gateway, which heard the
+/// picker's decisions; the engine reports the first turn cached.
+#[tokio::test]
+async fn a_picker_shares_its_decisions_with_a_peer() {
+    let Some(bin) = envoy_binary() else { return };
+    let (a, b) = (engine_on(0, &[]), engine_on(0, &[]));
+    let (metrics_port, serve_port) = (closed_port(), closed_port());
+    let token = "peer-token";
+    let mut args: Vec<String> = [
+        "epp",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--grpc-health-port",
+        "0",
+        "--health-interval",
+        "0.2",
+        "--admin-token",
+        token,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend([
+        "--metrics-port".to_string(),
+        metrics_port.to_string(),
+        "--peer".to_string(),
+        format!("http://127.0.0.1:{serve_port}"),
+    ]);
+    for e in [&a, &b] {
+        args.extend(["--backend".to_string(), backend(e)]);
+    }
+    let picker = Proc::start(&args);
+    let listen = format!("127.0.0.1:{serve_port}");
+    let peer = format!("http://127.0.0.1:{metrics_port}");
+    let gw = gateway(&[
+        "--listen",
+        &listen,
+        "--peer",
+        &peer,
+        "--admin-token",
+        token,
+        "--debug-header",
+        "--backend",
+        &backend(&a),
+        "--backend",
+        &backend(&b),
+    ]);
+    wait_healthy(&picker, 2).await;
+    let addrs = [a.authority(), b.authority()];
+    let envoy = start_envoy(
+        &bin,
+        &picker,
+        Config::OverrideHost(&addrs),
+        "FULL_DUPLEX_STREAMED",
+    )
+    .await;
+    let c = client();
+    for conversation in 0..4 {
+        let first_turn = prompt(&format!("picker-conversation-{conversation}"), 600);
+        let body = json!({"model": MODEL, "prompt": first_turn, "max_tokens": 2});
+        let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+        let before = metric_sum(
+            &m,
+            "switchyard_peer_messages_total",
+            &["result=\"applied\""],
+        );
+        let first = post(&c, &format!("{}/v1/completions", envoy.base), &body).await;
+        assert_eq!(first.status, 200, "{}", first.text);
+        let served = first
+            .header("x-gateway-destination-endpoint-served")
+            .expect("the served endpoint");
+        let heard = poll(Duration::from_secs(10), || async {
+            let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+            let n = metric_sum(
+                &m,
+                "switchyard_peer_messages_total",
+                &["result=\"applied\""],
+            );
+            (n >= before + 2.0).then_some(())
+        })
+        .await;
+        assert!(
+            heard.is_some(),
+            "the gateway did not hear the picker's request"
+        );
+        let next =
+            json!({"model": MODEL, "prompt": format!("{first_turn} and more"), "max_tokens": 2});
+        let second = post(&c, &gw.url("/v1/completions"), &next).await;
+        assert_eq!(second.status, 200, "{}", second.text);
+        assert_eq!(
+            second.header("x-switchyard-backend").as_deref(),
+            Some(served.as_str()),
+            "conversation {conversation}: {}",
+            second.header("x-switchyard-decision").unwrap_or_default()
+        );
+        let cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        assert!(
+            cached >= 500,
+            "conversation {conversation}: {}",
+            second.text
+        );
+    }
+}
+
 /// A disaggregated pool, spoken to as Envoy would (a raw ext_proc stream, no Envoy needed): the
 /// decode pod is the destination and the prefill pod is named for its sidecar.
 #[tokio::test]

@@ -17,7 +17,6 @@ fn replica(port: u16, peer: u16, backends: &[String]) -> Proc {
     let listen = format!("127.0.0.1:{port}");
     let peer = format!("http://127.0.0.1:{peer}");
     let mut args = vec![
-        "serve",
         "--listen",
         &listen,
         "--peer",
@@ -25,15 +24,11 @@ fn replica(port: u16, peer: u16, backends: &[String]) -> Proc {
         "--admin-token",
         TOKEN,
         "--debug-header",
-        "--health-interval",
-        "0.1",
-        "--scrape-interval",
-        "0.1",
     ];
     for b in backends {
         args.extend(["--backend", b.as_str()]);
     }
-    Proc::start(&args.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    gateway(&args)
 }
 
 /// Requests the replica counts in flight over all backends (`/admin/fleet`).

@@ -272,6 +272,18 @@ impl Exchange {
         if let Some(prefill) = &pick.prefill {
             extra.push((messages::PREFILLER, prefill.clone()));
         }
+        if let (Some(peers), None) = (&self.gw.peers, &pick.prefill) {
+            let session = self.session.as_deref();
+            let name = pick.guard.backend.name();
+            peers.routed(
+                &self.gw.metrics,
+                routed.rid,
+                name,
+                endpoint.into(),
+                session,
+                &body,
+            );
+        }
         let mut replies = vec![messages::routed(&pick.destination, &extra)];
         replies.extend(messages::request_body(&out_body, end_of_stream));
         // The body goes back to Envoy with these replies: its memory is given back here.

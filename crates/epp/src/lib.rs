@@ -95,6 +95,8 @@ pub struct RunningEpp {
     stop: watch::Sender<bool>,
     health: tonic_health::server::HealthReporter,
     tasks: Vec<JoinHandle<Result<(), EppError>>>,
+    /// The replica-sync senders and sweep (`--peer`), stopped at shutdown.
+    peers: Vec<JoinHandle<()>>,
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, EppError> {
@@ -188,7 +190,9 @@ pub async fn start(settings: EppSettings) -> Result<RunningEpp, EppError> {
             .await
             .map_err(|e| EppError::Serve(format!("metrics: {e}")))
     }));
+    let peers = switchyard_gateway::peer_sync::spawn(&gw);
     Ok(RunningEpp {
+        peers,
         grpc_addr,
         health_addr,
         metrics_addr,
@@ -220,6 +224,9 @@ impl RunningEpp {
             .set_service_status("", tonic_health::ServingStatus::NotServing)
             .await;
         let _ = self.stop.send(true);
+        for task in &self.peers {
+            task.abort();
+        }
         let all = futures_join(self.tasks);
         match tokio::time::timeout(grace, all).await {
             Ok(result) => result,

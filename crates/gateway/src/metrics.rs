@@ -104,6 +104,9 @@ pub struct Metrics {
     pub decision_seconds: Histogram,
     /// Observed ÷ estimated TTFT of each routed request (`cost` only): 1 is a perfect estimate.
     pub ttft_prediction_ratio: Histogram,
+    /// Replica sync: a peer's batch, from the peer's clock when it sent it to this replica's
+    /// when it was applied (`--peer`; meaningful with synchronised clocks).
+    pub peer_sync_lag: Histogram,
     /// |predicted − reported| cached tokens ÷ prompt tokens of each finished request.
     pub cached_prediction_error: Histogram,
     ttft: HistogramFamily<BackendLabel>,
@@ -296,6 +299,13 @@ impl Metrics {
             "Observed over estimated time to first token of each routed request",
             ttft_prediction_ratio.clone(),
         );
+        // 0.25 ms .. about 4 s: the simulator measured 5 ms as harmless and 50 ms as harmful.
+        let peer_sync_lag = Histogram::new(exponential_buckets(0.000_25, 2.0, 15));
+        registry.register(
+            "switchyard_peer_sync_lag_seconds",
+            "Replica sync (--peer): from a peer sending a batch to this replica applying it (by the two clocks)",
+            peer_sync_lag.clone(),
+        );
         let cached_prediction_error =
             Histogram::new([0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0]);
         registry.register(
@@ -459,6 +469,7 @@ impl Metrics {
             connections_refused,
             decision_seconds,
             ttft_prediction_ratio,
+            peer_sync_lag,
             cached_prediction_error,
             ttft,
             e2e,

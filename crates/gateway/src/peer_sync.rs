@@ -12,7 +12,7 @@ use switchyard_core::{Observation, RequestId, RequestKind, Usage};
 use tokio::sync::mpsc;
 
 use crate::peers::{
-    Header, Message, Peers, WireEndpoint, BATCH, BATCH_BYTES, HEARTBEAT, SEND_TIMEOUT,
+    unix_now, Header, Message, Peers, WireEndpoint, BATCH, BATCH_BYTES, HEARTBEAT, SEND_TIMEOUT,
 };
 use crate::state::Gateway;
 use crate::upstream::Upstream;
@@ -43,6 +43,11 @@ pub fn receive(gw: &Gateway, peers: &Peers, body: &[u8]) -> Result<(u64, u64), S
         } else {
             ignored += 1;
         }
+    }
+    if let Some(sent) = header.sent_unix_s {
+        gw.metrics
+            .peer_sync_lag
+            .observe((unix_now() - sent).max(0.0));
     }
     if let Some(live) = header.live {
         let now = gw.now();
@@ -214,6 +219,7 @@ async fn send_loop(gw: Arc<Gateway>, base: Uri, mut rx: mpsc::Receiver<Bytes>) {
         let header = Header {
             origin: peers.origin(),
             live: beat.then(|| peers.live_ids()),
+            sent_unix_s: Some(unix_now()),
         };
         if beat {
             last_beat = Instant::now();

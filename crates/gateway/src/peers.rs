@@ -140,6 +140,16 @@ pub struct Header {
     /// Heartbeats: the origin's shared requests still in flight.
     #[serde(default)]
     pub live: Option<Vec<u64>>,
+    /// When the batch left, in seconds since the Unix epoch by the sender's clock.
+    #[serde(default)]
+    pub sent_unix_s: Option<f64>,
+}
+
+/// Seconds since the Unix epoch (0 if the clock is before it).
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Requests a peer told this replica about, as this replica's own.

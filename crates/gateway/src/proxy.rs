@@ -32,6 +32,16 @@ pub enum Endpoint {
     Embeddings,
 }
 
+impl From<Endpoint> for crate::peers::WireEndpoint {
+    fn from(e: Endpoint) -> Self {
+        match e {
+            Endpoint::Completions => Self::Completions,
+            Endpoint::Chat => Self::Chat,
+            Endpoint::Embeddings => Self::Embeddings,
+        }
+    }
+}
+
 /// `x-session-id`.
 static SESSION_ID: HeaderName = HeaderName::from_static("x-session-id");
 /// `x-switchyard-phase` (see [`parse::phase_header`]).
@@ -329,12 +339,14 @@ where
             .as_ref()
             .is_some_and(|d| d.is_disaggregated())
         {
-            let wire = match endpoint {
-                Endpoint::Completions => crate::peers::WireEndpoint::Completions,
-                Endpoint::Chat => crate::peers::WireEndpoint::Chat,
-                Endpoint::Embeddings => crate::peers::WireEndpoint::Embeddings,
-            };
-            peers.routed(&gw.metrics, rid, first.name(), wire, session, &bytes);
+            peers.routed(
+                &gw.metrics,
+                rid,
+                first.name(),
+                endpoint.into(),
+                session,
+                &bytes,
+            );
         }
     }
     // Ask for the usage chunk the client did not ask for, to learn from it; it is removed

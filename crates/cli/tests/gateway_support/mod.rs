@@ -54,8 +54,9 @@ pub fn engine(extra: &[&str]) -> Proc {
 /// `switchyard serve --listen 127.0.0.1:0` with fast health checks and scrapes.
 /// Flags in `extra` replace these defaults.
 pub fn gateway(extra: &[&str]) -> Proc {
-    let mut args = strings(&["serve", "--listen", "127.0.0.1:0"]);
+    let mut args = strings(&["serve"]);
     for (flag, value) in [
+        ("--listen", "127.0.0.1:0"),
         ("--health-interval", "0.1"),
         ("--scrape-interval", "0.1"),
         ("--probe-timeout", "1"),
