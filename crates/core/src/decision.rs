@@ -49,6 +49,19 @@ pub struct CostTerms {
     pub decode_penalty_s: f64,
     /// Preemption risk from projected KV usage, in seconds.
     pub kv_penalty_s: f64,
+    /// Both views' cached-token predictions, where the instance publishes KV events and the
+    /// request carries token ids (to learn which predicts better).
+    #[serde(skip)]
+    pub views: Option<ViewPredictions>,
+}
+
+/// What the exact view (KV events) and the approximate index each predicted cached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ViewPredictions {
+    /// From the engine's KV events.
+    pub exact: u32,
+    /// From the approximate prefix index.
+    pub approx: u32,
 }
 
 /// One instance considered for a request.
@@ -158,6 +171,7 @@ impl Decision {
             prompt_tokens: self.prompt_tokens,
             matched_blocks: terms.matched_blocks,
             predicted_cached_tokens: terms.cached_tokens,
+            views: terms.views,
             adapter: self.adapter.clone(),
             max_tokens: self.max_tokens,
             is_decode_only: self.decode.iter().any(|c| c.instance == instance)
@@ -233,6 +247,8 @@ pub struct RoutePlan {
     /// Hash of the request's session key, if any: the routed instance becomes the session's
     /// last instance.
     pub(crate) session: Option<u64>,
+    /// Both views' predictions there, when it had an exact one.
+    pub(crate) views: Option<ViewPredictions>,
     /// The policy that decided, and what it keeps for its `on_routed` hook.
     pub(crate) policy: &'static str,
     /// What the policy computed while scoring, for that hook (`Policy::memo`).
@@ -249,6 +265,7 @@ impl RoutePlan {
             prompt_tokens,
             matched_blocks: 0,
             predicted_cached_tokens: 0,
+            views: None,
             adapter: None,
             max_tokens: 0,
             is_decode_only: false,

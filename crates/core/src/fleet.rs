@@ -148,6 +148,15 @@ pub struct Learned {
     pub survival: CacheSurvival,
     /// Share of prompt tokens the engine reported served from its cache (moving average).
     pub hit_share: f64,
+    /// Where the instance publishes KV events: how far the exact view's cached-token
+    /// predictions missed the engine's reports (moving average of |predicted − reported| ÷
+    /// prompt tokens) ...
+    pub exact_error: f64,
+    /// ... and the approximate index's, for the same requests: the view that predicts better
+    /// is the one routed on.
+    pub approx_error: f64,
+    /// Finished requests behind those two averages.
+    pub view_samples: u32,
     /// Sequences the engine runs at once, learned: the largest batch it reported while requests
     /// waited beside it for no other reason (llama.cpp's slots, vLLM's `max_num_seqs`).
     pub max_running: Option<u32>,
@@ -491,6 +500,9 @@ mod tests {
             mean_uncached_tokens: 100.0,
             survival: Default::default(),
             hit_share: 0.0,
+            exact_error: 0.0,
+            approx_error: 0.0,
+            view_samples: 0,
             max_running: None,
         }
     }

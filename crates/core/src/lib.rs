@@ -32,7 +32,7 @@ pub mod request;
 pub mod router;
 
 pub use config::{ConfigError, RouterConfig};
-pub use decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan};
+pub use decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan, ViewPredictions};
 pub use fleet::{EngineMetrics, Health, Instance, InstanceId, InstanceSpec, Role};
 pub use observe::{KvEvent, Observation, ObserveError, Prediction, Usage};
 pub use request::{ChatMessage, Phase, Prompt, RequestId, RequestKind, RouteRequest};

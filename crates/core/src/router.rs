@@ -9,7 +9,7 @@ use rustc_hash::FxHashMap;
 use thiserror::Error;
 
 use crate::config::{ConfigError, RouterConfig};
-use crate::decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan};
+use crate::decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan, ViewPredictions};
 use crate::exact::ExactIndex;
 use crate::fleet::{
     EngineMetrics, Fleet, Health, Instance, InstanceId, InstanceSpec, Learned, Role,
@@ -109,6 +109,8 @@ struct InFlight {
     learns_speed: bool,
     matched_blocks: u32,
     predicted_cached_tokens: u32,
+    /// Both views' predictions, where there was an exact one.
+    views: Option<ViewPredictions>,
     /// Touch sequence of each matched block when the request was routed.
     matched_seqs: Vec<u64>,
     /// The decision's TTFT estimate, if the policy made one.
@@ -288,6 +290,9 @@ impl Router {
             mean_uncached_tokens: 1000.0,
             survival: Default::default(),
             hit_share: 0.0,
+            exact_error: 0.0,
+            approx_error: 0.0,
+            view_samples: 0,
             max_running: None,
         }
     }
@@ -699,10 +704,27 @@ impl Router {
                     bytes = bytes.max(mark.bytes.min(prompt_bytes) as f64 * p);
                 }
             }
-            let mut cached = (bytes / self.bytes_per_token) as u32;
+            let approx = ((bytes / self.bytes_per_token) as u32).min(max_cached);
+            let mut cached = approx;
+            c.terms.views = None;
             if let Some(key) = exact {
                 if let Some(exact) = self.exact.cached_tokens(slot, key.tokens, key.adapter) {
-                    cached = exact;
+                    let exact = exact.min(max_cached);
+                    c.terms.views = Some(ViewPredictions { exact, approx });
+                    // The exact view is routed on unless its predictions have missed the
+                    // engine's reports by more than the approximate index's: a view the
+                    // sequence checks cannot fault (events from another cache, a lost
+                    // stretch replayed wrong) is caught by what the engine reports.
+                    // Judged once the averages span their window (1 / learning rate samples):
+                    // one early miss is not a verdict.
+                    let window = (1.0 / self.config.estimates.learning_rate).ceil() as u32;
+                    let learned = self.fleet.get(c.instance).map(|i| i.learned);
+                    let worse = learned.is_some_and(|l| {
+                        l.view_samples >= window && l.exact_error > l.approx_error
+                    });
+                    if !worse {
+                        cached = exact;
+                    }
                 }
             }
             c.terms.matched_blocks = blocks;
@@ -931,6 +953,7 @@ impl Router {
                 learns_speed: !plan.is_decode_only,
                 matched_blocks: plan.matched_blocks,
                 predicted_cached_tokens: plan.predicted_cached_tokens,
+                views: plan.views,
                 matched_seqs,
                 estimated_ttft_s: plan.estimated_ttft_s,
                 route_seq,
@@ -1046,9 +1069,16 @@ impl Router {
                 });
             }
             if let Some(instance) = self.fleet.get_mut(record.instance) {
-                let share = f64::from(cached.min(usage.prompt_tokens))
-                    / f64::from(usage.prompt_tokens.max(1));
-                instance.learned.hit_share = ewma(instance.learned.hit_share, share, rate);
+                let prompt = f64::from(usage.prompt_tokens.max(1));
+                let share = f64::from(cached.min(usage.prompt_tokens)) / prompt;
+                let learned = &mut instance.learned;
+                learned.hit_share = ewma(learned.hit_share, share, rate);
+                if let Some(v) = record.views {
+                    let miss = |predicted: u32| f64::from(predicted.abs_diff(cached)) / prompt;
+                    learned.exact_error = ewma(learned.exact_error, miss(v.exact), rate);
+                    learned.approx_error = ewma(learned.approx_error, miss(v.approx), rate);
+                    learned.view_samples = learned.view_samples.saturating_add(1);
+                }
             }
             self.feedback(&record, cached);
         }

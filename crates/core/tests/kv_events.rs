@@ -149,3 +149,64 @@ fn token_ids_from_the_prepare_step_are_matched_exactly() {
     assert_eq!(d.candidate(b).unwrap().terms.cached_tokens, 64);
     assert_eq!(d.prompt_tokens, 65, "counted from the ids");
 }
+
+/// A stream the sequence checks cannot fault but the engine contradicts (it publishes blocks it
+/// does not serve from): once the exact view's predictions miss the engine's reports by more
+/// than the approximate index's, the instance is priced on the approximate index.
+#[test]
+fn a_view_the_engine_contradicts_gives_way_to_the_approximate_index() {
+    use switchyard_core::{RequestId, Usage};
+    let (mut router, _a, b) = fleet();
+    let tokens: Vec<u32> = (0..64).collect();
+    router
+        .observe(Observation::KvEvents(b, vec![stored(1000, &tokens)]), 1.0)
+        .unwrap();
+    let mut longer = tokens.clone();
+    longer.extend(100..116);
+    let text = "t ".repeat(80);
+    assert_eq!(cached_on(&mut router, b, &text, &longer, 1.0), 64);
+    let mut now = 2.0;
+    for i in 0..20u64 {
+        let mut request = RouteRequest::text("m", &text);
+        request.token_ids = Some(&longer);
+        let decision = router.route(&request, now).unwrap();
+        let plan = decision.plan_for(b);
+        let id = RequestId(i);
+        router
+            .observe(
+                Observation::Routed {
+                    request: id,
+                    instance: b,
+                    plan,
+                },
+                now,
+            )
+            .unwrap();
+        router
+            .observe(Observation::FirstToken(id), now + 0.1)
+            .unwrap();
+        // The engine serves nothing from its cache, whatever its events said.
+        let usage = Usage {
+            prompt_tokens: 80,
+            cached_tokens: Some(0),
+            completion_tokens: 1,
+        };
+        router
+            .observe(Observation::Finished(id, Some(usage)), now + 0.2)
+            .unwrap();
+        now += 1.0;
+    }
+    let learned = router.learned(b).unwrap();
+    assert!(
+        learned.exact_error > learned.approx_error,
+        "exact {} approx {}",
+        learned.exact_error,
+        learned.approx_error
+    );
+    assert!(router.is_exact(b), "the stream itself is still trusted");
+    let predicted = cached_on(&mut router, b, &text, &longer, now);
+    assert!(
+        predicted < 64,
+        "still priced on the contradicted view: {predicted}"
+    );
+}

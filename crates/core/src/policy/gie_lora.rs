@@ -133,6 +133,9 @@ mod tests {
             mean_uncached_tokens: 100.0,
             survival: Default::default(),
             hit_share: 0.0,
+            exact_error: 0.0,
+            approx_error: 0.0,
+            view_samples: 0,
             max_running: None,
         };
         let id = fleet.add(spec, learned).unwrap();
