@@ -120,6 +120,23 @@ async fn replicas_that_share_decisions_continue_each_others_conversations() {
     })
     .await;
     assert!(counted.is_some(), "A never counted B's request");
+    let fleet = get_with(
+        &c,
+        &a.url("/admin/fleet"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+    )
+    .await
+    .json();
+    assert!(
+        fleet["peers"]["held_for_peers"].as_u64() >= Some(1),
+        "{fleet}"
+    );
+    assert_eq!(
+        fleet["peers"]["urls"][0]
+            .as_str()
+            .map(|u| u.trim_end_matches('/')),
+        Some(format!("http://127.0.0.1:{port_b}").as_str())
+    );
     // ... and forgotten once B is gone (its heartbeats stop).
     b.kill();
     let forgotten = poll(Duration::from_secs(20), || async {

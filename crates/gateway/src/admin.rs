@@ -97,7 +97,7 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
         }));
     }
     let pending: Vec<&String> = registry.pending.keys().collect();
-    let body = json!({
+    let mut body = json!({
         "policy": router.policy_name(),
         "router_in_flight": router.in_flight_len(),
         "admission_queue": gw.admission.len(),
@@ -105,6 +105,14 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
         "pending_discovery": pending,
     });
     drop(registry);
+    // Replica sync (`--peer`): this replica's shared requests and those it holds for its peers.
+    if let Some(peers) = &gw.peers {
+        body["peers"] = json!({
+            "urls": gw.settings.peers.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "shared_in_flight": peers.live_ids().len(),
+            "held_for_peers": peers.held(),
+        });
+    }
     with_id(axum::Json(body).into_response(), id)
 }
 
