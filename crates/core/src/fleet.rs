@@ -157,6 +157,9 @@ pub struct Learned {
     pub approx_error: f64,
     /// Finished requests behind those two averages.
     pub view_samples: u32,
+    /// First tokens behind `prefill_tokens_per_s` (until it spans its averaging window, the
+    /// speed is mostly the prior).
+    pub speed_samples: u32,
     /// Sequences the engine runs at once, learned: the largest batch it reported while requests
     /// waited beside it for no other reason (llama.cpp's slots, vLLM's `max_num_seqs`).
     pub max_running: Option<u32>,
@@ -503,6 +506,7 @@ mod tests {
             exact_error: 0.0,
             approx_error: 0.0,
             view_samples: 0,
+            speed_samples: 0,
             max_running: None,
         }
     }

@@ -100,6 +100,7 @@ mod tests {
             exact_error: 0.0,
             approx_error: 0.0,
             view_samples: 0,
+            speed_samples: 0,
             max_running: None,
         }
     }

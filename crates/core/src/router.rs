@@ -174,13 +174,31 @@ const POOL_SAMPLE: usize = 64;
 /// Moves `current` towards `sample` by `rate`.
 /// Requests waiting while the batch has room for them wait for a sequence slot, unless they
 /// wait for an adapter slot or for KV space: then the batch they wait beside is the engine's
-/// limit. The largest such batch is kept (a lower one is a moment the limit was not reached).
-fn learn_max_running(learned: &mut Learned, metrics: &EngineMetrics, kv_high_watermark: f64) {
-    let waits_for_slot = metrics.waiting > 0
-        && metrics.running > 0
-        && metrics.waiting_adapters.is_empty()
-        && metrics.kv_usage.is_none_or(|u| u < kv_high_watermark);
-    if waits_for_slot {
+/// limit. But a request also waits between two scheduler steps, or for a step's token budget
+/// (vLLM admits new requests at every step): that is no limit, and taking the batch of such a
+/// moment for one priced a 256-sequence engine as a 2-slot one, which then got no requests to
+/// grow its batch (seen on emulated engines). A request waiting for a slot waits until one frees,
+/// about a service time: so only a batch that did not grow between two scrapes with requests
+/// waiting at both is taken as full. The largest such batch is kept, and any larger batch seen
+/// raises it.
+fn learn_max_running(
+    learned: &mut Learned,
+    previous: Option<&EngineMetrics>,
+    metrics: &EngineMetrics,
+    kv_high_watermark: f64,
+) {
+    if let Some(max) = learned.max_running.filter(|&m| metrics.running > m) {
+        learned.max_running = Some(metrics.running.max(max));
+    }
+    let waits_for_slot = |m: &EngineMetrics| {
+        m.waiting > 0
+            && m.running > 0
+            && m.waiting_adapters.is_empty()
+            && m.kv_usage.is_none_or(|u| u < kv_high_watermark)
+    };
+    let full_across_scrapes =
+        previous.is_some_and(|p| waits_for_slot(p) && p.running >= metrics.running);
+    if waits_for_slot(metrics) && full_across_scrapes {
         learned.max_running = Some(learned.max_running.unwrap_or(0).max(metrics.running));
     }
 }
@@ -293,6 +311,7 @@ impl Router {
             exact_error: 0.0,
             approx_error: 0.0,
             view_samples: 0,
+            speed_samples: 0,
             max_running: None,
         }
     }
@@ -717,7 +736,7 @@ impl Router {
                     // stretch replayed wrong) is caught by what the engine reports.
                     // Judged once the averages span their window (1 / learning rate samples):
                     // one early miss is not a verdict.
-                    let window = (1.0 / self.config.estimates.learning_rate).ceil() as u32;
+                    let window = sample_window(&self.config);
                     let learned = self.fleet.get(c.instance).map(|i| i.learned);
                     let worse = learned.is_some_and(|l| {
                         l.view_samples >= window && l.exact_error > l.approx_error
@@ -757,8 +776,10 @@ impl Router {
                     .fleet
                     .get_mut(id)
                     .ok_or(ObserveError::UnknownInstance(id))?;
+                let previous = instance.engine.as_ref().map(|(m, _)| m);
                 learn_max_running(
                     &mut instance.learned,
+                    previous,
                     &metrics,
                     self.config.cost.kv_high_watermark,
                 );
@@ -1006,6 +1027,7 @@ impl Router {
             let learned = &mut instance.learned;
             learned.prefill_tokens_per_s =
                 ewma(learned.prefill_tokens_per_s, sample, e.learning_rate);
+            learned.speed_samples = learned.speed_samples.saturating_add(1);
         }
         let id = record.instance;
         self.relevel(id, now);
@@ -1157,6 +1179,12 @@ impl Router {
     pub fn learned(&self, id: InstanceId) -> Option<Learned> {
         self.fleet.get(id).map(|i| i.learned)
     }
+}
+
+/// Samples an average with the configured learning rate needs before it says more about an
+/// instance than its prior: the average's window, 1 / learning rate.
+pub(crate) fn sample_window(config: &RouterConfig) -> u32 {
+    (1.0 / config.estimates.learning_rate).ceil() as u32
 }
 
 /// Share of the matched run the instance is expected to still hold: the learned survival of its

@@ -1150,7 +1150,7 @@ fn cost_sends_a_long_prompt_to_the_shorter_queue_even_where_more_sequences_decod
 
 #[test]
 fn cost_learns_an_engines_sequence_limit_from_requests_waiting_beside_a_full_batch() {
-    let (mut router, ids) = router("cost", 3);
+    let (mut router, ids) = router("cost", 4);
     let scrape = |router: &mut Router, id, running, waiting, kv: Option<f64>| {
         let m = EngineMetrics {
             running,
@@ -1162,12 +1162,19 @@ fn cost_learns_an_engines_sequence_limit_from_requests_waiting_beside_a_full_bat
             .observe(Observation::MetricsScraped(id, m), 0.0)
             .unwrap();
     };
-    // Two slots, both busy, one request waiting (llama.cpp's `requests_deferred`).
+    // Two slots, both busy, a request waiting at two scrapes in a row (llama.cpp's
+    // `requests_deferred`).
+    scrape(&mut router, ids[0], 2, 1, None);
     scrape(&mut router, ids[0], 2, 1, None);
     // A full KV cache makes requests wait too: that is no sequence limit.
     scrape(&mut router, ids[1], 2, 1, Some(0.99));
+    scrape(&mut router, ids[1], 2, 1, Some(0.99));
     // Two running, none waiting: no limit seen.
     scrape(&mut router, ids[2], 2, 0, None);
+    // A request caught between two steps (vLLM admits it at the next one): the batch has grown
+    // by the next scrape, so that was no limit.
+    scrape(&mut router, ids[3], 2, 1, None);
+    scrape(&mut router, ids[3], 3, 0, None);
     let decision = router
         .route(&RouteRequest::text("m", "hello"), 0.1)
         .unwrap();
@@ -1179,6 +1186,8 @@ fn cost_learns_an_engines_sequence_limit_from_requests_waiting_beside_a_full_bat
         decision.explain(3)
     );
     assert!(wait(1) < wait(0), "{}", decision.explain(3));
+    assert!(wait(3) < no_slot_wait + 1e-9, "{}", decision.explain(4));
+    assert_eq!(router.learned(ids[3]).unwrap().max_running, None);
     // A smaller batch seen later with requests waiting does not lower the limit.
     scrape(&mut router, ids[0], 1, 3, None);
     // One running: under a limit of two there is a free slot (under one there would not be).

@@ -203,7 +203,8 @@ fn price_last_copy_evictions(
 const SAME_SPEED_FACTOR: f64 = 2.0;
 
 /// The speed an instance is priced at: its own when it differs from the pool's beyond noise.
-fn priced_speed(own: f64, pool: f64) -> f64 {
+fn priced_speed(ctx: &ScoringContext<'_>, instance: &Instance) -> f64 {
+    let (own, pool) = (instance.learned.prefill_tokens_per_s, ctx.pool_speed);
     if pool > 0.0 && own <= pool * SAME_SPEED_FACTOR && own * SAME_SPEED_FACTOR >= pool {
         pool
     } else {
@@ -213,7 +214,7 @@ fn priced_speed(own: f64, pool: f64) -> f64 {
 
 /// The prefill time of `terms`' uncached tokens on `instance`, at its priced speed.
 fn prefill_s(ctx: &ScoringContext<'_>, instance: &Instance, terms: &CostTerms) -> f64 {
-    let speed = priced_speed(instance.learned.prefill_tokens_per_s, ctx.pool_speed);
+    let speed = priced_speed(ctx, instance);
     (f64::from(ctx.prompt_tokens) - f64::from(terms.cached_tokens)) / speed
 }
 
@@ -225,7 +226,7 @@ pub fn prefill_terms(
     mut terms: CostTerms,
     unavoidable_s: f64,
 ) -> CostTerms {
-    let speed = priced_speed(instance.learned.prefill_tokens_per_s, ctx.pool_speed);
+    let speed = priced_speed(ctx, instance);
     // The index's match is already weighted by how likely the instance still holds it.
     let cached = f64::from(terms.cached_tokens);
     let uncached = f64::from(ctx.prompt_tokens) - cached;

@@ -136,6 +136,7 @@ mod tests {
             exact_error: 0.0,
             approx_error: 0.0,
             view_samples: 0,
+            speed_samples: 0,
             max_running: None,
         };
         let id = fleet.add(spec, learned).unwrap();
