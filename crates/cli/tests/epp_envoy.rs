@@ -426,32 +426,20 @@ async fn a_picker_shares_its_decisions_with_a_peer() {
     let (a, b) = (engine_on(0, &[]), engine_on(0, &[]));
     let (metrics_port, serve_port) = (closed_port(), closed_port());
     let token = "peer-token";
-    let mut args: Vec<String> = [
-        "epp",
-        "--host",
-        "127.0.0.1",
-        "--grpc-port",
-        "0",
-        "--grpc-health-port",
-        "0",
-        "--health-interval",
-        "0.2",
+    let metrics = metrics_port.to_string();
+    let serve_peer = format!("http://127.0.0.1:{serve_port}");
+    let picker = epp(&[
+        "--metrics-port",
+        &metrics,
         "--admin-token",
         token,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend([
-        "--metrics-port".to_string(),
-        metrics_port.to_string(),
-        "--peer".to_string(),
-        format!("http://127.0.0.1:{serve_port}"),
+        "--peer",
+        &serve_peer,
+        "--backend",
+        &backend(&a),
+        "--backend",
+        &backend(&b),
     ]);
-    for e in [&a, &b] {
-        args.extend(["--backend".to_string(), backend(e)]);
-    }
-    let picker = Proc::start(&args);
     let listen = format!("127.0.0.1:{serve_port}");
     let peer = format!("http://127.0.0.1:{metrics_port}");
     let gw = gateway(&[
@@ -477,52 +465,11 @@ async fn a_picker_shares_its_decisions_with_a_peer() {
     )
     .await;
     let c = client();
+    let url = format!("{}/v1/completions", envoy.base);
     for conversation in 0..4 {
-        let first_turn = prompt(&format!("picker-conversation-{conversation}"), 600);
-        let body = json!({"model": MODEL, "prompt": first_turn, "max_tokens": 2});
-        let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
-        let before = metric_sum(
-            &m,
-            "switchyard_peer_messages_total",
-            &["result=\"applied\""],
-        );
-        let first = post(&c, &format!("{}/v1/completions", envoy.base), &body).await;
-        assert_eq!(first.status, 200, "{}", first.text);
-        let served = first
-            .header("x-gateway-destination-endpoint-served")
-            .expect("the served endpoint");
-        let heard = poll(Duration::from_secs(10), || async {
-            let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
-            let n = metric_sum(
-                &m,
-                "switchyard_peer_messages_total",
-                &["result=\"applied\""],
-            );
-            (n >= before + 2.0).then_some(())
-        })
-        .await;
-        assert!(
-            heard.is_some(),
-            "the gateway did not hear the picker's request"
-        );
-        let next =
-            json!({"model": MODEL, "prompt": format!("{first_turn} and more"), "max_tokens": 2});
-        let second = post(&c, &gw.url("/v1/completions"), &next).await;
-        assert_eq!(second.status, 200, "{}", second.text);
-        assert_eq!(
-            second.header("x-switchyard-backend").as_deref(),
-            Some(served.as_str()),
-            "conversation {conversation}: {}",
-            second.header("x-switchyard-decision").unwrap_or_default()
-        );
-        let cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0);
-        assert!(
-            cached >= 500,
-            "conversation {conversation}: {}",
-            second.text
-        );
+        let tag = format!("picker-conversation-{conversation}");
+        let served = |r: &Reply| r.header("x-gateway-destination-endpoint-served");
+        continue_on_peer(&c, &url, served, &gw, &tag).await;
     }
 }
 

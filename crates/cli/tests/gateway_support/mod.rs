@@ -70,24 +70,73 @@ pub fn gateway(extra: &[&str]) -> Proc {
 }
 
 /// `switchyard epp` on 127.0.0.1 with ephemeral ports and fast health checks. Flags in
-/// `extra` come after these (`--health-interval` there replaces the default).
+/// `extra` replace these defaults.
 pub fn epp(extra: &[&str]) -> Proc {
-    let mut args = strings(&[
-        "epp",
-        "--host",
-        "127.0.0.1",
-        "--grpc-port",
-        "0",
-        "--grpc-health-port",
-        "0",
-        "--metrics-port",
-        "0",
-    ]);
-    if !extra.contains(&"--health-interval") {
-        args.extend(strings(&["--health-interval", "0.2"]));
+    let mut args = strings(&["epp"]);
+    for (flag, value) in [
+        ("--host", "127.0.0.1"),
+        ("--grpc-port", "0"),
+        ("--grpc-health-port", "0"),
+        ("--metrics-port", "0"),
+        ("--health-interval", "0.2"),
+    ] {
+        if !extra.contains(&flag) {
+            args.extend(strings(&[flag, value]));
+        }
     }
     args.extend(strings(extra));
     Proc::start(&args)
+}
+
+/// Replica-sync messages `p` has applied (`--peer`).
+pub async fn peer_messages_applied(c: &reqwest::Client, p: &Proc) -> f64 {
+    let m = get_with(c, &p.url("/metrics"), &[]).await.text;
+    metric_sum(
+        &m,
+        "switchyard_peer_messages_total",
+        &["result=\"applied\""],
+    )
+}
+
+/// Starts a conversation (a 600-token prompt) at `start_url` (`/v1/completions`), waits until
+/// `peer` has applied its decision and end, continues it through `peer` (a `serve` with
+/// `--debug-header`) and checks that the continuation ran where the first turn did (the backend
+/// `served` names from the first answer) with the first turn reported cached.
+pub async fn continue_on_peer(
+    c: &reqwest::Client,
+    start_url: &str,
+    served: impl Fn(&Reply) -> Option<String>,
+    peer: &Proc,
+    tag: &str,
+) {
+    let first_turn = prompt(tag, 600);
+    let before = peer_messages_applied(c, peer).await;
+    let body = serde_json::json!({"model": MODEL, "prompt": first_turn, "max_tokens": 2});
+    let first = post(c, start_url, &body).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    // Routed and end reach the peer (a JSON answer has no first token of its own).
+    let heard = poll(std::time::Duration::from_secs(10), || async {
+        (peer_messages_applied(c, peer).await >= before + 2.0).then_some(())
+    })
+    .await;
+    assert!(
+        heard.is_some(),
+        "{tag}: the peer did not hear the first turn"
+    );
+    let next = format!("{first_turn} and then the next question");
+    let body = serde_json::json!({"model": MODEL, "prompt": next, "max_tokens": 2});
+    let second = post(c, &peer.url("/v1/completions"), &body).await;
+    assert_eq!(second.status, 200, "{}", second.text);
+    assert_eq!(
+        second.header("x-switchyard-backend"),
+        served(&first),
+        "{tag}: {}",
+        second.header("x-switchyard-decision").unwrap_or_default()
+    );
+    let cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(cached >= 500, "{tag}: {}", second.text);
 }
 
 /// Runs `switchyard <args>`, expects it to fail, and returns its stderr.
