@@ -191,8 +191,8 @@ pub async fn peer_sync(State(gw): Shared, headers: HeaderMap, body: Bytes) -> Re
     };
     match crate::peer_sync::receive(&gw, peers, &body) {
         Ok((applied, ignored)) => {
-            (0..applied).for_each(|_| gw.metrics.peer_message("applied"));
-            (0..ignored).for_each(|_| gw.metrics.peer_message("ignored"));
+            gw.metrics.peer_messages("applied", applied);
+            gw.metrics.peer_messages("ignored", ignored);
             let body: Value = json!({"applied": applied, "ignored": ignored});
             with_id(axum::Json(body).into_response(), id)
         }

@@ -687,11 +687,11 @@ impl Metrics {
             .inc();
     }
 
-    /// Counts a replica-sync message: `sent`, `dropped`, `applied` or `ignored`.
-    pub fn peer_message(&self, result: &'static str) {
+    /// Counts `n` replica-sync messages: `sent`, `dropped`, `applied` or `ignored`.
+    pub fn peer_messages(&self, result: &'static str, n: u64) {
         self.peer_messages
             .get_or_create(&ResultLabel { result })
-            .inc();
+            .inc_by(n);
     }
 
     /// Counts a fleet file reload.

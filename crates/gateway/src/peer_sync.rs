@@ -199,7 +199,7 @@ async fn send_loop(gw: Arc<Gateway>, base: Uri, mut rx: mpsc::Receiver<Bytes>) {
             Ok(None) => return,
             Err(_) => {}
         }
-        let mut bytes: usize = pending.iter().map(Bytes::len).sum();
+        let mut bytes: usize = pending.first().map_or(0, Bytes::len);
         while pending.len() < BATCH && bytes < BATCH_BYTES {
             match rx.try_recv() {
                 Ok(line) => {
@@ -248,14 +248,14 @@ async fn send_loop(gw: Arc<Gateway>, base: Uri, mut rx: mpsc::Receiver<Bytes>) {
                     tracing::info!(peer = %base, "peer reachable again");
                     failing = false;
                 }
-                (0..sent).for_each(|_| gw.metrics.peer_message("sent"));
+                gw.metrics.peer_messages("sent", sent as u64);
             }
             Err(e) => {
                 if !failing {
                     tracing::warn!(peer = %base, "peer sync failing (messages dropped until it answers): {e}");
                     failing = true;
                 }
-                (0..sent).for_each(|_| gw.metrics.peer_message("dropped"));
+                gw.metrics.peer_messages("dropped", sent as u64);
             }
         }
     }

@@ -219,7 +219,7 @@ impl Peers {
         let line = Bytes::from(line);
         for outbox in &self.outboxes {
             if outbox.try_send(line.clone()).is_err() {
-                metrics.peer_message("dropped");
+                metrics.peer_messages("dropped", 1);
             }
         }
     }
