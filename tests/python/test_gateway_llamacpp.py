@@ -342,6 +342,9 @@ def test_admin_fleet_shows_llamacpp_metrics(http, fleet):
         # `llamacpp:requests_deferred` is there; idle engines report 0 for both.
         m = b["engine"]["metrics"]
         assert m["running"] == 0 and m["waiting"] == 0, m
+        # The slot count comes from the engine's `/props` (`total_slots`; the launcher's
+        # default is 2 slots), which its metrics do not carry.
+        assert m["max_running"] == 2, m
 
 
 def test_admin_fleet_shows_a_running_request(http, fleet):

@@ -169,6 +169,9 @@ pub struct CostConfig {
     /// Weight of the delay a prefill inflicts on each request queued on the same instance
     /// beyond the first (work added to a backlog delays everyone who joins it).
     pub queue_interference_weight: f64,
+    /// Weight of the cache room a candidate would spend storing again a prefix another
+    /// candidate already holds, priced by the instance's learned hit share (0: not priced).
+    pub cache_room_weight: f64,
     /// Engine-reported waiting requests at or above which an instance is saturated (none: never).
     pub max_waiting: Option<u32>,
     /// Router-side in-flight requests at or above which an instance is saturated (none: never).
@@ -196,6 +199,7 @@ impl Default for CostConfig {
             local_prefill_max_tokens: 8192,
             shortlist_len: 64,
             queue_interference_weight: 1.0,
+            cache_room_weight: 1.0,
             max_waiting: None,
             max_in_flight: None,
         }
@@ -479,6 +483,11 @@ impl RouterConfig {
         check(
             finite_nonneg(c.queue_interference_weight),
             "cost.queue_interference_weight",
+            "must be >= 0",
+        )?;
+        check(
+            finite_nonneg(c.cache_room_weight),
+            "cost.cache_room_weight",
             "must be >= 0",
         )?;
         check(

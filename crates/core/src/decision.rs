@@ -49,6 +49,8 @@ pub struct CostTerms {
     pub decode_penalty_s: f64,
     /// Preemption risk from projected KV usage, in seconds.
     pub kv_penalty_s: f64,
+    /// The hits lost to the cache room spent storing again a prefix another candidate holds.
+    pub cache_room_s: f64,
     /// Both views' cached-token predictions, where the instance publishes KV events and the
     /// request carries token ids (to learn which predicts better).
     #[serde(skip)]
@@ -204,7 +206,7 @@ impl Decision {
                 t.prefill_s,
                 t.adapter_s,
                 t.transfer_s,
-                t.decode_penalty_s + t.kv_penalty_s,
+                t.decode_penalty_s + t.kv_penalty_s + t.cache_room_s,
                 t.cached_tokens,
                 t.uncached_tokens
             ));

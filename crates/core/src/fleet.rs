@@ -111,6 +111,8 @@ pub struct EngineMetrics {
     pub max_adapters: Option<u32>,
     /// KV capacity in tokens the engine reports (blocks × block size).
     pub kv_capacity_tokens: Option<u64>,
+    /// Sequences the engine runs at once, where it says so (llama.cpp's `/props` `total_slots`).
+    pub max_running: Option<u32>,
 }
 
 /// Router-side accounting for one instance: exact and immediate, but blind to other routers.
@@ -138,7 +140,7 @@ impl RouterLoad {
 pub struct Learned {
     /// Effective prefill throughput in tokens/s (includes queueing and batching effects).
     pub prefill_tokens_per_s: f64,
-    /// Mean request service time (routed to finished) in seconds.
+    /// Mean time a request holds a sequence slot (its prefill and decode, not its queueing), s.
     pub service_time_s: f64,
     /// Share of predicted cached tokens the engine actually reported as cached (0..=1).
     pub cache_trust: f64,
@@ -286,9 +288,13 @@ impl Instance {
             .or(self.spec.kv_capacity_tokens)
     }
 
-    /// Sequences the instance runs at once: configured, else learned from its reports.
+    /// Sequences the instance runs at once: configured, else the engine's own figure, else
+    /// learned from its reports of requests waiting beside a full batch.
     pub fn max_running(&self) -> Option<u32> {
-        self.spec.max_running.or(self.learned.max_running)
+        self.spec
+            .max_running
+            .or_else(|| self.engine.as_ref().and_then(|(m, _)| m.max_running))
+            .or(self.learned.max_running)
     }
 
     /// Adapter slots: the engine's report wins over configuration.

@@ -1061,12 +1061,17 @@ impl Router {
             Some(_) => instance.load.running_requests -= 1,
         }
         instance.load.kv_tokens -= record.kv_tokens;
-        if finished {
-            instance.learned.service_time_s = ewma(
-                instance.learned.service_time_s,
-                now - record.routed_at,
-                rate,
-            );
+        if let (true, Some(first_token_at)) = (finished, record.first_token_at) {
+            // How long the request held a sequence slot: its decode, plus the part of its time
+            // to first token that was its own prefill. The time it queued for a slot is not
+            // occupancy; counting it made a busy engine's slots look slower to free the longer
+            // its queue grew, so the router fled cache holders exactly when hits paid most.
+            let ttft_s = first_token_at - record.routed_at;
+            let speed = instance.learned.prefill_tokens_per_s.max(1.0);
+            let prefill_s = (f64::from(record.uncached_tokens) / speed).min(ttft_s);
+            let occupancy_s = (now - first_token_at) + prefill_s;
+            instance.learned.service_time_s =
+                ewma(instance.learned.service_time_s, occupancy_s, rate);
         }
         self.relevel(record.instance, now);
         if !finished {

@@ -1202,3 +1202,112 @@ fn cost_learns_an_engines_sequence_limit_from_requests_waiting_beside_a_full_bat
         decision.explain(3)
     );
 }
+
+#[test]
+fn cost_prices_the_slots_an_engine_declares() {
+    let (mut router, ids) = router("cost", 2);
+    // Both engines run two sequences; only the first says it has two slots (llama.cpp's
+    // `/props`), so only there does a third request wait for one.
+    for (i, max_running) in [(0, Some(2)), (1, None)] {
+        let m = EngineMetrics {
+            running: 2,
+            max_running,
+            ..Default::default()
+        };
+        router
+            .observe(Observation::MetricsScraped(ids[i], m), 0.0)
+            .unwrap();
+    }
+    let decision = router
+        .route(&RouteRequest::text("m", "hello"), 0.1)
+        .unwrap();
+    let wait = |i: usize| decision.candidate(ids[i]).unwrap().terms.wait_s;
+    assert!(wait(0) > wait(1) + 0.1, "{}", decision.explain(2));
+    assert_eq!(decision.best(), Some(ids[1]), "{}", decision.explain(2));
+}
+
+#[test]
+fn a_slots_service_time_leaves_out_the_time_queued_for_it() {
+    let (mut router, ids) = router("cost", 1);
+    let prior = router.learned(ids[0]).unwrap().service_time_s;
+    let rate = RouterConfig::default().estimates.learning_rate;
+    // Queued for 5 s, then half a second of prefill and decode.
+    let text = prompt("a short question ", 100, 1);
+    send(&mut router, 1, &RouteRequest::text("m", &text), 0.0);
+    router
+        .observe(Observation::FirstToken(RequestId(1)), 5.0)
+        .unwrap();
+    router
+        .observe(Observation::Finished(RequestId(1), None), 5.5)
+        .unwrap();
+    let learned = router.learned(ids[0]).unwrap().service_time_s;
+    // The sample is the decode (0.5 s) plus at most the prefill of 100 tokens.
+    let most = prior + rate * (0.6 - prior);
+    let least = prior + rate * (0.5 - prior);
+    assert!(
+        (least..=most).contains(&learned),
+        "{learned} not in {least}..={most}"
+    );
+}
+
+#[test]
+fn cost_prices_the_cache_room_a_second_copy_takes_by_the_hit_share_learned() {
+    let (mut router, ids) = router("cost", 2);
+    let shared = |n: u64| prompt("a long shared document about rivers. ", 3000, n);
+    // The first instance holds the document.
+    send_to(
+        &mut router,
+        1,
+        &RouteRequest::text("m", &shared(1)),
+        ids[0],
+        0.0,
+    );
+    finish(&mut router, 1, 0.5);
+    let room = |router: &mut Router, now: f64| {
+        let decision = router
+            .route(&RouteRequest::text("m", &shared(2)), now)
+            .unwrap();
+        let c = |i: usize| *decision.candidate(ids[i]).unwrap();
+        (c(0), c(1))
+    };
+    // Nothing is learned of the second instance's reuse yet: a copy there costs no room.
+    let (holder, other) = room(&mut router, 1.0);
+    assert!(holder.terms.cached_tokens > 1000, "{:?}", holder.terms);
+    assert_eq!(other.terms.cache_room_s, 0.0);
+    // The second instance serves half of its prompts from cache: the room a copy of the document
+    // takes there held prefixes it would have reused.
+    for id in 10..40 {
+        let text = prompt("another tenant's prompt. ", 1000, id);
+        send_to(
+            &mut router,
+            id,
+            &RouteRequest::text("m", &text),
+            ids[1],
+            1.0,
+        );
+        router
+            .observe(Observation::FirstToken(RequestId(id)), 1.1)
+            .unwrap();
+        let usage = Usage {
+            prompt_tokens: 1000,
+            cached_tokens: Some(500),
+            completion_tokens: 10,
+        };
+        router
+            .observe(Observation::Finished(RequestId(id), Some(usage)), 1.2)
+            .unwrap();
+    }
+    let (holder, other) = room(&mut router, 2.0);
+    assert_eq!(holder.terms.cache_room_s, 0.0, "{:?}", holder.terms);
+    let h = router.learned(ids[1]).unwrap().hit_share;
+    assert!(h > 0.3, "{h}");
+    // The copy costs h / (1 − h) of the duplicated tokens' prefill.
+    let duplicated = f64::from(holder.terms.cached_tokens - other.terms.cached_tokens);
+    let per_token = other.terms.prefill_s / f64::from(other.terms.uncached_tokens);
+    let expected = duplicated * per_token * h / (1.0 - h);
+    assert!(
+        (other.terms.cache_room_s - expected).abs() < 1e-9 * expected.max(1.0),
+        "{} against {expected}",
+        other.terms.cache_room_s
+    );
+}

@@ -312,6 +312,7 @@ pub fn snapshot(gw: &Gateway) -> Value {
                 "running": m.running,
                 "kv_usage": m.kv_usage,
                 "kv_capacity_tokens": m.kv_capacity_tokens,
+                "max_running": m.max_running,
                 "age_s": now - at,
                 "fresh": now - at <= stale,
             })

@@ -16,6 +16,7 @@ pub async fn run(gw: Arc<Gateway>, backend: Arc<Backend>) {
     let Ok(uri) = backend.base.uri("/metrics") else {
         return;
     };
+    let mut slots = SlotQuery::default();
     let mut tick = tokio::time::interval(gw.settings.scrape_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -53,8 +54,12 @@ pub async fn run(gw: Arc<Gateway>, backend: Arc<Backend>) {
             tracing::info!(backend = backend.name(), ?kind, "engine kind detected");
             backend.set_kind(kind);
         }
+        if kind == EngineKind::Llamacpp {
+            slots.ask(&gw, &backend).await;
+        }
         match metrics {
-            Some(m) => {
+            Some(mut m) => {
+                m.max_running = slots.total;
                 backend.metrics.scrape_ok.inc();
                 gw.observe(Observation::MetricsScraped(backend.id, m));
                 gw.admission.wake();
@@ -64,6 +69,59 @@ pub async fn run(gw: Arc<Gateway>, backend: Arc<Backend>) {
             }
         }
     }
+}
+
+/// llama.cpp's sequence slots, from `GET /props` (`total_slots`): its metrics show the busy
+/// slots and the deferred requests but not how many slots there are, and at moderate load
+/// requests rarely wait long enough for the router to learn the limit from two scrapes.
+#[derive(Default)]
+struct SlotQuery {
+    /// What the engine said.
+    total: Option<u32>,
+    /// Asked and got an answer (or a refusal): not asked again.
+    settled: bool,
+}
+
+impl SlotQuery {
+    async fn ask(&mut self, gw: &Gateway, backend: &Backend) {
+        if self.settled {
+            return;
+        }
+        let Ok(uri) = backend.base.uri("/props") else {
+            self.settled = true;
+            return;
+        };
+        match gw
+            .upstream
+            .get(uri, gw.settings.probe_timeout, 1 << 20)
+            .await
+        {
+            Ok((status, body)) if status.is_success() => {
+                self.settled = true;
+                self.total = total_slots(&body);
+                match self.total {
+                    Some(n) => tracing::info!(backend = backend.name(), slots = n, "engine slots"),
+                    None => tracing::info!(backend = backend.name(), "no total_slots in /props"),
+                }
+            }
+            // An engine without `/props` will not grow one; a transport error is asked again.
+            Ok(_) => self.settled = true,
+            Err(e) => tracing::debug!(backend = backend.name(), "/props failed: {e}"),
+        }
+    }
+}
+
+/// `total_slots` from a llama.cpp `/props` body (a positive integer, else none).
+pub fn total_slots(body: &[u8]) -> Option<u32> {
+    #[derive(serde::Deserialize)]
+    struct Props {
+        total_slots: Option<u64>,
+    }
+    let props: Props = serde_json::from_slice(body).ok()?;
+    props
+        .total_slots
+        .filter(|&n| n > 0)
+        .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
 }
 
 /// Detects the engine from metric name prefixes.
@@ -267,6 +325,18 @@ vllm:prefix_cache_hits_total{model_name="m"} 5
         let trt = "trtllm_num_requests_waiting 1\ntrtllm_num_requests_running 2\ntrtllm_kv_cache_utilization 0.9\n";
         let m = engine_metrics(trt, EngineKind::Trtllm).1.unwrap();
         assert_eq!((m.waiting, m.running, m.kv_usage), (1, 2, Some(0.9)));
+    }
+
+    #[test]
+    fn llamacpp_props_give_the_slot_count() {
+        assert_eq!(
+            total_slots(br#"{"total_slots":4,"model_path":"x"}"#),
+            Some(4)
+        );
+        assert_eq!(total_slots(br#"{"total_slots":0}"#), None);
+        assert_eq!(total_slots(br#"{"total_slots":-1}"#), None);
+        assert_eq!(total_slots(br#"{"model_path":"x"}"#), None);
+        assert_eq!(total_slots(b"not json"), None);
     }
 
     #[test]

@@ -209,6 +209,8 @@ pub fn scraped(m: &EngineMetrics) -> CoreMetrics {
         waiting_adapters: m.waiting_lora_adapters.clone(),
         max_adapters: Some(m.max_loras),
         kv_capacity_tokens: Some(u64::from(m.num_gpu_blocks) * u64::from(m.block_size)),
+        // vLLM's metrics do not carry `max_num_seqs` (the simulated fleet's spec does).
+        max_running: None,
     }
 }
 

@@ -279,6 +279,19 @@ fn total(terms: &CostTerms) -> f64 {
         + terms.transfer_s
         + terms.decode_penalty_s
         + terms.kv_penalty_s
+        + terms.cache_room_s
+}
+
+/// The cache room a candidate spends storing again the `duplicated` prompt tokens that the best
+/// holder among the candidates already has: that room held other prefixes, which the instance
+/// reuses at its learned hit share `h`. In steady state every token stored displaces one, and a
+/// stored token is reused about h / (1 − h) times before it leaves, so the copy costs that many
+/// tokens of someone's prefill. Engines that report no cached tokens never learn a share and pay
+/// nothing.
+fn cache_room_s(ctx: &ScoringContext<'_>, instance: &Instance, duplicated: u32) -> f64 {
+    let h = instance.learned.hit_share.clamp(0.0, 0.9);
+    let speed = priced_speed(ctx, instance);
+    ctx.config.cost.cache_room_weight * f64::from(duplicated) * h / (1.0 - h) / speed
 }
 
 /// Thrashing guard for adapters: a swap must beat an instance already holding the adapter by a
@@ -356,6 +369,11 @@ impl Policy for CostPolicy {
             .iter()
             .map(|c| prefill_s(ctx, ctx.instance(c), &c.terms))
             .fold(f64::INFINITY, f64::min);
+        let most_cached = candidates
+            .iter()
+            .map(|c| c.terms.cached_tokens)
+            .max()
+            .unwrap_or(0);
         for c in candidates.iter_mut() {
             let instance = ctx.instance(c);
             // A decode instance scored for running a request whole competes with a hand-off
@@ -365,7 +383,9 @@ impl Policy for CostPolicy {
             } else {
                 least_prefill_s
             };
+            let duplicated = most_cached - c.terms.cached_tokens;
             c.terms = prefill_terms(ctx, instance, c.terms, unavoidable_s);
+            c.terms.cache_room_s = cache_room_s(ctx, instance, duplicated);
             c.score = total(&c.terms);
         }
         guard_adapter_swaps(ctx, candidates);
