@@ -1,12 +1,14 @@
 //! `switchyard epp`: the routing core as the endpoint picker behind Envoy's external
 //! processing (Gateway API Inference Extension).
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
+use switchyard_epp::discovery::mapping::PeerSelector;
 use switchyard_epp::discovery::{default_namespace, PoolSettings};
 use switchyard_epp::tls::TlsSettings;
 use switchyard_epp::{BodyWatch, EppSettings};
@@ -67,6 +69,13 @@ pub struct EppArgs {
     /// when set, else the in-cluster service account).
     #[arg(long, value_name = "FILE", requires = "pool_name")]
     pub kubeconfig: Option<PathBuf>,
+    /// Share decisions with the other pickers: the ready pods of the pool's namespace carrying
+    /// these labels (KEY=VALUE[,KEY=VALUE...]), reached on their container port named
+    /// `http-metrics` or `metrics` (else --metrics-port), this pod (`$POD_NAME`, else
+    /// `$HOSTNAME`) left out.
+    /// Needs --admin-token, the same on every picker. See docs/epp.md, "Replicas".
+    #[arg(long, value_name = "LABELS", requires = "pool_name")]
+    pub peer_selector: Option<String>,
     /// Serve ext_proc over TLS, as GIE's reference picker does by default (with a self-signed
     /// certificate unless --cert-path names one); for Gateways configured to speak TLS to it.
     #[arg(long)]
@@ -104,11 +113,47 @@ fn pool(args: &EppArgs) -> Result<Option<PoolSettings>> {
             |p| std::fs::read_to_string(p).ok(),
         ),
     };
+    let peers = match &args.peer_selector {
+        None => None,
+        Some(text) => {
+            if args.fleet.admin_token.is_none() {
+                bail!("--peer-selector needs --admin-token (the same on every picker): peers sync through /admin/peer-sync");
+            }
+            let own_name = ["POD_NAME", "HOSTNAME"]
+                .into_iter()
+                .filter_map(|k| std::env::var(k).ok())
+                .map(|v| v.trim().to_string())
+                .find(|v| !v.is_empty());
+            Some(PeerSelector {
+                labels: parse_labels(text)?,
+                port: args.metrics_port,
+                own_name,
+            })
+        }
+    };
     Ok(Some(PoolSettings {
         name: name.clone(),
         namespace,
         kubeconfig: args.kubeconfig.clone(),
+        peers,
     }))
+}
+
+/// `KEY=VALUE[,KEY=VALUE...]`, as a label selector's equality terms.
+fn parse_labels(text: &str) -> Result<BTreeMap<String, String>> {
+    let mut labels = BTreeMap::new();
+    for term in text.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+        match term.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() && !v.trim().is_empty() => {
+                labels.insert(k.trim().to_string(), v.trim().to_string());
+            }
+            _ => bail!("--peer-selector: `{term}` is not KEY=VALUE"),
+        }
+    }
+    if labels.is_empty() {
+        bail!("--peer-selector: give at least one KEY=VALUE label");
+    }
+    Ok(labels)
 }
 
 /// The picker's settings from its flags.
@@ -116,6 +161,7 @@ pub fn settings(args: &EppArgs) -> Result<EppSettings> {
     let pool = pool(args)?;
     let gateway = Settings {
         max_retries: args.max_fallbacks,
+        peer_discovery: pool.as_ref().is_some_and(|p| p.peers.is_some()),
         ..args.fleet.settings(args.fleet.router()?, pool.is_none())?
     };
     Ok(EppSettings {

@@ -240,6 +240,150 @@ async fn pods_join_drain_leave_and_survive_410_and_outages() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A picker pod: ready, labelled `app: switchyard-epp`, its metrics port named `metrics`
+/// (deploy/kubernetes names it `http-metrics`; the unit tests cover that name).
+fn picker_pod(name: &str, metrics_port: u16) -> Value {
+    let mut p = pod(name, "127.0.0.1", true, json!({"app": "switchyard-epp"}));
+    p["spec"]["containers"][0]["ports"] = json!([
+        {"name": "grpc", "containerPort": 9002},
+        {"name": "metrics", "containerPort": metrics_port}
+    ]);
+    p
+}
+
+/// `peers.urls` in a picker's `/admin/fleet`.
+async fn peer_urls(c: &reqwest::Client, epp: &Proc) -> Option<Vec<String>> {
+    let v = admin_fleet(c, epp).await;
+    let urls = v["peers"]["urls"].as_array()?;
+    Some(
+        urls.iter()
+            .filter_map(|u| u.as_str().map(String::from))
+            .collect(),
+    )
+}
+
+/// Batches (heartbeats included) a picker received from its peers.
+async fn batches_received(c: &reqwest::Client, epp: &Proc) -> f64 {
+    metric(c, epp, "switchyard_peer_sync_lag_seconds_count")
+        .await
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pickers_find_each_other_as_peers_through_their_pods() {
+    let kube = FakeKube::start().await;
+    let dir = std::env::temp_dir().join(format!("switchyard-kube-peers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let kubeconfig = kube.kubeconfig(&dir);
+    let kubeconfig = kubeconfig.to_str().expect("utf-8 path");
+    let engine = engine_at("127.0.0.2", 0, &["--speed", "100"]);
+    kube.put(
+        Kind::Pool,
+        pool("llama", json!({"app": "vllm"}), &[engine.port()]),
+    );
+    kube.put(
+        Kind::Pod,
+        pod("engine", "127.0.0.2", true, json!({"app": "vllm"})),
+    );
+    // Each picker is told its pod's name as Kubernetes tells a pod (`HOSTNAME`).
+    let picker = |name: &str| {
+        let args: Vec<String> = [
+            "epp",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--grpc-health-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--admin-token",
+            TOKEN,
+            "--pool-name",
+            "llama",
+            "--pool-namespace",
+            "ml",
+            "--kubeconfig",
+            kubeconfig,
+            "--peer-selector",
+            "app=switchyard-epp",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        Proc::start_with_env(&args, &[("HOSTNAME", name), ("POD_NAME", "")])
+    };
+    let a = picker("epp-a");
+    kube.put(Kind::Pod, picker_pod("epp-a", a.port()));
+    let b = picker("epp-b");
+    kube.put(Kind::Pod, picker_pod("epp-b", b.port()));
+    let c = client();
+    let url_of = |p: &Proc| format!("http://127.0.0.1:{}/", p.port());
+    for (me, other, what) in [(&a, &b, "a finds b"), (&b, &a, "b finds a")] {
+        let want = vec![url_of(other)];
+        let found = poll(DEADLINE, || async {
+            (peer_urls(&c, me).await.as_ref() == Some(&want)).then_some(())
+        })
+        .await;
+        assert!(
+            found.is_some(),
+            "{what}: last {:?}",
+            peer_urls(&c, me).await
+        );
+        // Heartbeats reach the peer within a second or two.
+        let heard = poll(DEADLINE, || async {
+            (batches_received(&c, other).await > 0.0).then_some(())
+        })
+        .await;
+        assert!(heard.is_some(), "{what}: its batches arrive");
+    }
+    // A picker that stops being ready is no peer any more; a deleted one neither.
+    kube.update(Kind::Pod, "epp-b", |p| set_ready(p, false));
+    let gone = poll(DEADLINE, || async {
+        (peer_urls(&c, &a).await == Some(Vec::new())).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "an unready picker leaves the peers");
+    kube.update(Kind::Pod, "epp-b", |p| set_ready(p, true));
+    let back = poll(DEADLINE, || async {
+        (peer_urls(&c, &a).await == Some(vec![url_of(&b)])).then_some(())
+    })
+    .await;
+    assert!(back.is_some(), "ready again, a peer again");
+    kube.delete(Kind::Pod, "epp-b");
+    let gone = poll(DEADLINE, || async {
+        (peer_urls(&c, &a).await == Some(Vec::new())).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "a deleted picker leaves the peers");
+    drop((a, b, engine));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_peer_selector_needs_the_admin_token_and_labels() {
+    let err = fails(&["epp", "--pool-name", "p", "--peer-selector", "app=epp"]);
+    assert!(err.contains("--admin-token"), "{err}");
+    let err = fails(&[
+        "epp",
+        "--pool-name",
+        "p",
+        "--admin-token",
+        "t",
+        "--peer-selector",
+        "app",
+    ]);
+    assert!(err.contains("KEY=VALUE"), "{err}");
+    let err = fails(&[
+        "epp",
+        "--backend",
+        "http://127.0.0.1:1",
+        "--peer-selector",
+        "a=b",
+    ]);
+    assert!(err.contains("--pool-name"), "{err}");
+}
+
 #[test]
 fn pool_name_and_a_static_fleet_are_refused_together() {
     let err = fails(&[

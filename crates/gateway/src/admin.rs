@@ -108,7 +108,7 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
     // Replica sync (`--peer`): this replica's shared requests and those it holds for its peers.
     if let Some(peers) = &gw.peers {
         body["peers"] = json!({
-            "urls": gw.settings.peers.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "urls": peers.urls().iter().map(ToString::to_string).collect::<Vec<_>>(),
             "shared_in_flight": peers.live_ids().len(),
             "held_for_peers": peers.held(),
         });

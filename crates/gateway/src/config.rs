@@ -91,6 +91,9 @@ pub struct Settings {
     /// Other replicas in front of the same fleet (`--peer URL`): decisions and outcomes are
     /// shared with them (the `peers` module).
     pub peers: Vec<http::Uri>,
+    /// Peers are discovered while running (`switchyard epp --peer-selector`): replica sync is on
+    /// even while none is known.
+    pub peer_discovery: bool,
 }
 
 impl Default for Settings {
@@ -131,6 +134,7 @@ impl Default for Settings {
             kv_events_probation: Duration::from_secs(5),
             tokenizers: BTreeMap::new(),
             peers: Vec::new(),
+            peer_discovery: false,
         }
     }
 }

@@ -150,6 +150,18 @@ fn commit_peer_pick(
     Some(local)
 }
 
+/// Makes `urls` the peers (Kubernetes discovery, `switchyard epp --peer-selector`): senders
+/// start for new peers, and end for peers no longer listed.
+pub fn set_peers(gw: &Arc<Gateway>, urls: &[Uri]) {
+    let Some(peers) = gw.peers.as_ref() else {
+        return;
+    };
+    for (url, rx) in peers.set_urls(urls) {
+        tracing::info!(peer = %url, "sharing decisions with a new peer");
+        tokio::spawn(send_loop(gw.clone(), url, rx));
+    }
+}
+
 /// Starts one sender per peer and the sweep of silent origins; the handles stop them.
 pub fn spawn(gw: &Arc<Gateway>) -> Vec<tokio::task::JoinHandle<()>> {
     let Some(peers) = gw.peers.as_ref() else {
@@ -193,6 +205,10 @@ async fn send_loop(gw: Arc<Gateway>, base: Uri, mut rx: mpsc::Receiver<Bytes>) {
     let mut failing = false;
     let mut pending: Vec<Bytes> = Vec::with_capacity(BATCH);
     loop {
+        // Senders of discovered peers are not in the handles a shutdown aborts.
+        if gw.is_shutting_down() {
+            return;
+        }
         let wait = HEARTBEAT.saturating_sub(last_beat.elapsed());
         match tokio::time::timeout(wait, rx.recv()).await {
             Ok(Some(line)) => pending.push(line),

@@ -17,6 +17,9 @@
 //! [`PEER_TIMEOUT`] is taken as gone and its requests end. Messages are never retried: a late
 //! decision is worse than none.
 //!
+//! The peers are the `--peer` URLs, or (`switchyard epp --peer-selector`) the picker pods the
+//! Kubernetes pod watch finds, a set that changes while running ([`Peers::set_urls`]).
+//!
 //! This module holds the wire format and what a replica remembers; `peer_sync` applies
 //! batches to the router and sends them.
 //!
@@ -162,8 +165,8 @@ struct Origin {
 /// The replica-sync state of a gateway with `--peer`.
 pub struct Peers {
     origin: u64,
-    /// Each peer's queue of encoded messages.
-    outboxes: Vec<mpsc::Sender<Bytes>>,
+    /// Each peer's URL and queue of encoded messages; dropping a queue ends its sender.
+    outboxes: Mutex<Vec<(Uri, mpsc::Sender<Bytes>)>>,
     /// Receivers, taken when the senders start.
     inboxes: Mutex<Vec<(Uri, mpsc::Receiver<Bytes>)>>,
     /// This replica's shared requests still in flight (their outcomes go to the peers).
@@ -175,20 +178,43 @@ pub struct Peers {
 impl Peers {
     /// Queues for these peer base URLs (`http://host:port`); `origin` names this replica.
     pub fn new(urls: &[Uri], origin: u64) -> Self {
-        let mut outboxes = Vec::with_capacity(urls.len());
-        let mut inboxes = Vec::with_capacity(urls.len());
-        for url in urls {
-            let (tx, rx) = mpsc::channel(OUTBOX);
-            outboxes.push(tx);
-            inboxes.push((url.clone(), rx));
-        }
-        Peers {
+        let peers = Peers {
             origin,
-            outboxes,
-            inboxes: Mutex::new(inboxes),
+            outboxes: Mutex::new(Vec::new()),
+            inboxes: Mutex::new(Vec::new()),
             live: Mutex::new(HashSet::new()),
             origins: Mutex::new(HashMap::new()),
+        };
+        let added = peers.set_urls(urls);
+        *peers.inboxes.lock() = added;
+        peers
+    }
+
+    /// Makes `urls` the peers (discovered peers come and go): a peer no longer listed loses its
+    /// queue, so its sender ends; a new one gets a queue, returned for a sender to start.
+    /// Repeated URLs count once.
+    pub fn set_urls(&self, urls: &[Uri]) -> Vec<(Uri, mpsc::Receiver<Bytes>)> {
+        let mut outboxes = self.outboxes.lock();
+        outboxes.retain(|(url, _)| urls.contains(url));
+        let mut added = Vec::new();
+        for url in urls {
+            if outboxes.iter().any(|(u, _)| u == url) {
+                continue;
+            }
+            let (tx, rx) = mpsc::channel(OUTBOX);
+            outboxes.push((url.clone(), tx));
+            added.push((url.clone(), rx));
         }
+        added
+    }
+
+    /// The peers' base URLs.
+    pub fn urls(&self) -> Vec<Uri> {
+        self.outboxes
+            .lock()
+            .iter()
+            .map(|(u, _)| u.clone())
+            .collect()
     }
 
     /// This replica's name for its peers.
@@ -217,7 +243,7 @@ impl Peers {
         };
         line.push(b'\n');
         let line = Bytes::from(line);
-        for outbox in &self.outboxes {
+        for (_, outbox) in self.outboxes.lock().iter() {
             if outbox.try_send(line.clone()).is_err() {
                 metrics.peer_messages("dropped", 1);
             }
@@ -423,6 +449,47 @@ mod tests {
             rx.try_recv().is_err(),
             "an ended request is not passed on again"
         );
+    }
+
+    #[test]
+    fn a_changed_peer_set_keeps_the_queues_of_peers_still_listed() {
+        let (a, b, c): (Uri, Uri, Uri) = (
+            "http://10.0.0.1:9090".parse().unwrap(),
+            "http://10.0.0.2:9090".parse().unwrap(),
+            "http://10.0.0.3:9090".parse().unwrap(),
+        );
+        let peers = Peers::new(&[a.clone(), b.clone(), a.clone()], 1);
+        let mut started = peers.take_inboxes();
+        assert_eq!(started.len(), 2, "a repeated URL is one peer");
+        let metrics = Metrics::new();
+        let added = peers.set_urls(&[b.clone(), c.clone()]);
+        assert_eq!(added.len(), 1);
+        assert_eq!(added[0].0, c);
+        assert_eq!(peers.urls(), vec![b.clone(), c.clone()]);
+        peers.routed(
+            &metrics,
+            RequestId(1),
+            "b0",
+            WireEndpoint::Chat,
+            None,
+            b"{}",
+        );
+        let (mut rx_b, mut rx_a) = (started.pop().unwrap().1, started.pop().unwrap().1);
+        assert!(
+            matches!(
+                rx_a.try_recv(),
+                Err(mpsc::error::TryRecvError::Disconnected)
+            ),
+            "a peer no longer listed has its queue closed, so its sender stops"
+        );
+        assert!(
+            rx_b.try_recv().is_ok(),
+            "a peer still listed keeps its queue"
+        );
+        let mut rx_c = added.into_iter().next().unwrap().1;
+        assert!(rx_c.try_recv().is_ok());
+        assert!(peers.set_urls(&[]).is_empty());
+        assert!(peers.urls().is_empty());
     }
 
     #[test]

@@ -21,6 +21,9 @@ pub struct PoolSettings {
     pub namespace: String,
     /// A kubeconfig file; `None`: `KUBECONFIG` when set, else the in-cluster service account.
     pub kubeconfig: Option<PathBuf>,
+    /// Other pickers to share decisions with, found among the namespace's pods
+    /// (`--peer-selector`).
+    pub peers: Option<super::mapping::PeerSelector>,
 }
 
 /// The pool's namespace when no flag names it: `NAMESPACE`, then `POD_NAMESPACE` (as the

@@ -38,6 +38,23 @@ pub struct PodView {
     pub terminating: bool,
     /// `metadata.labels`.
     pub labels: BTreeMap<String, String>,
+    /// The container port named as in [`PEER_PORT_NAMES`], where a picker pod takes peer sync.
+    pub metrics_port: Option<u16>,
+}
+
+/// Container port names a picker pod's metrics (and `/admin/peer-sync`) port may carry, the
+/// first found wins (deploy/kubernetes names it `http-metrics`).
+pub const PEER_PORT_NAMES: [&str; 2] = ["http-metrics", "metrics"];
+
+/// Which pods are this picker's peers (`--peer-selector`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerSelector {
+    /// Labels a peer pod carries (all of them; empty selects none).
+    pub labels: BTreeMap<String, String>,
+    /// The port a peer takes sync on when its pod names no port as in [`PEER_PORT_NAMES`].
+    pub port: u16,
+    /// This pod's own name (`POD_NAME`, else `HOSTNAME`): not a peer of itself.
+    pub own_name: Option<String>,
 }
 
 impl PoolView {
@@ -84,6 +101,16 @@ impl PodView {
             ready,
             terminating: pod.metadata.deletion_timestamp.is_some(),
             labels: pod.metadata.labels.clone().unwrap_or_default(),
+            metrics_port: pod.spec.as_ref().and_then(|spec| {
+                PEER_PORT_NAMES.iter().find_map(|name| {
+                    spec.containers
+                        .iter()
+                        .flat_map(|c| c.ports.iter().flatten())
+                        .find(|p| p.name.as_deref() == Some(*name))
+                        .and_then(|p| u16::try_from(p.container_port).ok())
+                        .filter(|&p| p > 0)
+                })
+            }),
         }
     }
 
@@ -134,6 +161,37 @@ pub fn desired<'a>(
         }
     }
     out.into_values().collect()
+}
+
+/// The peer pickers' base URLs (`http://ip:port`): pods with the selector's labels that serve
+/// (ready, addressed, not terminating), other than this one; sorted, without repeats. A pod
+/// that is not ready yet is not a peer: a picker that is starting or draining is not routing.
+pub fn peers<'a>(
+    selector: &PeerSelector,
+    pods: impl IntoIterator<Item = &'a PodView>,
+) -> Vec<String> {
+    if selector.labels.is_empty() {
+        return Vec::new();
+    }
+    let mut urls: Vec<String> = pods
+        .into_iter()
+        .filter(|p| p.serves())
+        .filter(|p| selector.own_name.as_deref() != Some(p.name.as_str()))
+        .filter(|p| {
+            selector
+                .labels
+                .iter()
+                .all(|(k, v)| p.labels.get(k).is_some_and(|l| l == v))
+        })
+        .filter_map(|p| {
+            let ip = p.ip?;
+            let port = p.metrics_port.unwrap_or(selector.port);
+            Some(format!("http://{}", SocketAddr::new(ip, port)))
+        })
+        .collect();
+    urls.sort();
+    urls.dedup();
+    urls
 }
 
 #[cfg(test)]
@@ -190,6 +248,56 @@ mod tests {
         assert_eq!(specs[0].address, "http://10.0.0.1:8000");
         assert!(specs[0].models.is_empty(), "models are discovered");
         assert_eq!(specs[0].labels["pod"], "a");
+    }
+
+    #[test]
+    fn peers_are_the_other_ready_pickers_on_their_metrics_port() {
+        let picker = |name: &str, ip: Option<&str>, ready: bool, port: Option<i32>| {
+            let mut p = pod(name, ip, ready, json!({"app": "switchyard-epp"}));
+            if let Some(port) = port {
+                p.spec.as_mut().unwrap().containers[0].ports = Some(vec![
+                    serde_json::from_value(json!({"name": "grpc", "containerPort": 9002})).unwrap(),
+                    serde_json::from_value(json!({"name": "http-metrics", "containerPort": port}))
+                        .unwrap(),
+                ]);
+            }
+            PodView::of(&p)
+        };
+        let pods = [
+            picker("epp-0", Some("10.0.0.1"), true, Some(9190)),
+            picker("epp-1", Some("10.0.0.2"), true, None),
+            picker("epp-2", Some("10.0.0.3"), false, Some(9090)),
+            picker("epp-3", None, true, Some(9090)),
+            PodView::of(&pod(
+                "engine",
+                Some("10.0.0.9"),
+                true,
+                json!({"app": "vllm"}),
+            )),
+        ];
+        let selector = PeerSelector {
+            labels: BTreeMap::from([("app".to_string(), "switchyard-epp".to_string())]),
+            port: 9090,
+            own_name: Some("epp-1".to_string()),
+        };
+        assert_eq!(peers(&selector, &pods), ["http://10.0.0.1:9190"]);
+        let anyone = PeerSelector {
+            own_name: None,
+            ..selector.clone()
+        };
+        assert_eq!(
+            peers(&anyone, &pods),
+            ["http://10.0.0.1:9190", "http://10.0.0.2:9090"],
+            "without a metrics port the flag's port"
+        );
+        let empty = PeerSelector {
+            labels: BTreeMap::new(),
+            ..selector
+        };
+        assert!(
+            peers(&empty, &pods).is_empty(),
+            "an empty selector selects none"
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
+use http::Uri;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, watcher};
 use kube::runtime::WatchStreamExt;
@@ -100,6 +101,8 @@ struct Discovery {
     pods: Snapshot<PodView>,
     /// The set last handed to membership (`None`: nothing yet).
     applied: Option<Vec<BackendSpec>>,
+    /// The peer pickers last handed to replica sync (`--peer-selector`).
+    applied_peers: Option<Vec<String>>,
     /// Whether the pool was found at the last reconcile, to log its coming and going once.
     pool_found: Option<bool>,
     /// Per [`Kind`]: failing since the last success (an outage already logged).
@@ -150,11 +153,27 @@ impl Discovery {
         pause_before_rebuild(self.rebuilt[kind as usize].replace(now), now)
     }
 
+    /// Hands the peer pickers to replica sync when they changed.
+    fn reconcile_peers(&mut self) {
+        let Some(selector) = &self.pool.peers else {
+            return;
+        };
+        let wanted = mapping::peers(selector, self.pods.values());
+        if self.applied_peers.as_ref() == Some(&wanted) {
+            return;
+        }
+        let urls: Vec<Uri> = wanted.iter().filter_map(|u| u.parse().ok()).collect();
+        tracing::info!(peers = ?wanted, "peer pickers changed");
+        switchyard_gateway::peer_sync::set_peers(&self.gw, &urls);
+        self.applied_peers = Some(wanted);
+    }
+
     /// Applies the wanted set when both lists are complete and it changed.
     fn reconcile(&mut self) {
         if !(self.pools.synced() && self.pods.synced()) {
             return;
         }
+        self.reconcile_peers();
         let pool = self.pools.single();
         if self.pool_found != Some(pool.is_some()) {
             self.pool_found = Some(pool.is_some());
@@ -196,6 +215,7 @@ pub async fn run(
         pools: Snapshot::default(),
         pods: Snapshot::default(),
         applied: None,
+        applied_peers: None,
         pool_found: None,
         failing: [false; 2],
         rebuilt: [None; 2],
