@@ -14,6 +14,10 @@ use serde_json::json;
 const TOKEN: &str = "replica-token";
 
 fn replica(port: u16, peer: u16, backends: &[String]) -> Proc {
+    replica_with(port, peer, backends, &[])
+}
+
+fn replica_with(port: u16, peer: u16, backends: &[String], extra: &[&str]) -> Proc {
     let listen = format!("127.0.0.1:{port}");
     let peer = format!("http://127.0.0.1:{peer}");
     let mut args = vec![
@@ -25,6 +29,7 @@ fn replica(port: u16, peer: u16, backends: &[String]) -> Proc {
         TOKEN,
         "--debug-header",
     ];
+    args.extend_from_slice(extra);
     for b in backends {
         args.extend(["--backend", b.as_str()]);
     }
@@ -113,6 +118,72 @@ async fn replicas_that_share_decisions_continue_each_others_conversations() {
         "A still counts the dead replica's request"
     );
     let _ = stream.await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_both_legs_of_a_disaggregated_request() {
+    // Two prefill and two decode engines; `cost` told to hand every prompt off.
+    let prefills = [
+        engine(&["--role", "prefill"]),
+        engine(&["--role", "prefill"]),
+    ];
+    let decodes = [engine(&["--role", "decode"]), engine(&["--role", "decode"])];
+    let mut backends = Vec::new();
+    for (i, p) in prefills.iter().enumerate() {
+        backends.push(format!("{},role=prefill,name=p{i}", backend(p)));
+    }
+    for (i, d) in decodes.iter().enumerate() {
+        backends.push(format!("{},role=decode,name=d{i}", backend(d)));
+    }
+    let config = support::temp_file(
+        "replicas-pd.json",
+        r#"{"cost": {"local_prefill_max_tokens": 0}}"#,
+    );
+    let config = config.to_str().expect("utf-8 path").to_string();
+    let extra = ["--router-config", config.as_str()];
+    let (port_a, port_b) = (closed_port(), closed_port());
+    let a = replica_with(port_a, port_b, &backends, &extra);
+    let b = replica_with(port_b, port_a, &backends, &extra);
+    let c = client();
+    // Four conversations started on A and continued on B: B puts each next turn on the prefill
+    // engine A's prefill leg went to and the decode engine holding the first turn. Without both
+    // legs shared, B would pick each between two idle engines (both right for all four by
+    // chance one time in 256).
+    for conversation in 0..4 {
+        let first_turn = prompt(&format!("replica-pd-{conversation}"), 600);
+        let before = peer_messages_applied(&c, &b).await;
+        let body = json!({"model": MODEL, "prompt": first_turn, "max_tokens": 2});
+        let first = post(&c, &a.url("/v1/completions"), &body).await;
+        assert_eq!(first.status, 200, "{}", first.text);
+        let legs = |r: &Reply| {
+            (
+                r.header("x-switchyard-prefill"),
+                r.header("x-switchyard-backend"),
+            )
+        };
+        let (prefill, decode) = legs(&first);
+        assert!(
+            prefill.is_some(),
+            "handed off: {:?}",
+            first.header("x-switchyard-decision")
+        );
+        // Each leg's pick and end reach B.
+        let heard = poll(Duration::from_secs(10), || async {
+            (peer_messages_applied(&c, &b).await >= before + 4.0).then_some(())
+        })
+        .await;
+        assert!(heard.is_some(), "B did not hear both legs");
+        let next = format!("{first_turn} and then the next question");
+        let body = json!({"model": MODEL, "prompt": next, "max_tokens": 2});
+        let second = post(&c, &b.url("/v1/completions"), &body).await;
+        assert_eq!(second.status, 200, "{}", second.text);
+        assert_eq!(
+            legs(&second),
+            (prefill, decode),
+            "{}",
+            second.header("x-switchyard-decision").unwrap_or_default()
+        );
+    }
 }
 
 #[tokio::test]

@@ -272,17 +272,21 @@ impl Exchange {
         if let Some(prefill) = &pick.prefill {
             extra.push((messages::PREFILLER, prefill.clone()));
         }
-        if let (Some(peers), None) = (&self.gw.peers, &pick.prefill) {
+        if let Some(peers) = &self.gw.peers {
+            // Every leg the router recorded: the request whole, or its prefill and decode legs
+            // (each its own request in the router).
             let session = self.session.as_deref();
-            let name = pick.guard.backend.name();
-            peers.routed(
-                &self.gw.metrics,
-                routed.rid,
-                name,
-                endpoint.into(),
-                session,
-                &body,
-            );
+            let legs = pick.prefill_guard.iter().chain([&pick.guard]);
+            for guard in legs {
+                peers.routed(
+                    &self.gw.metrics,
+                    guard.rid,
+                    guard.backend.name(),
+                    endpoint.into(),
+                    session,
+                    &body,
+                );
+            }
         }
         let mut replies = vec![messages::routed(&pick.destination, &extra)];
         replies.extend(messages::request_body(&out_body, end_of_stream));

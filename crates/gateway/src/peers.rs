@@ -23,8 +23,8 @@
 //! This module holds the wire format and what a replica remembers; `peer_sync` applies
 //! batches to the router and sends them.
 //!
-//! Not shared: disaggregated (prefill/decode) requests, and a retry moves nothing (the peers
-//! forget the request instead). Every replica must have the same backends (by name), models and
+//! A disaggregated request is shared as its two legs (each its own request in the router). A
+//! retry moves nothing (the peers forget the request or leg instead). Every replica must have the same backends (by name), models and
 //! aliases; a message about a backend a peer does not know is ignored and counted.
 
 use std::collections::{HashMap, HashSet};

@@ -43,7 +43,7 @@ impl From<Endpoint> for crate::peers::WireEndpoint {
 }
 
 /// `x-session-id`.
-static SESSION_ID: HeaderName = HeaderName::from_static("x-session-id");
+pub(crate) static SESSION_ID: HeaderName = HeaderName::from_static("x-session-id");
 /// `x-switchyard-phase` (see [`parse::phase_header`]).
 static PHASE: HeaderName = HeaderName::from_static("x-switchyard-phase");
 
@@ -333,22 +333,19 @@ where
         Ok(r) => r,
         Err(e) => return reject(&gw, e, &request_id),
     };
+    // A disaggregated request's prefill leg is `rid` on its first candidate; its decode leg is
+    // shared when it is sent (`pd::leg`).
     if let (Some(peers), Some(first)) = (&gw.peers, routed.candidates.first()) {
-        if !routed
-            .decision
-            .as_ref()
-            .is_some_and(|d| d.is_disaggregated())
-        {
-            peers.routed(
-                &gw.metrics,
-                rid,
-                first.name(),
-                endpoint.into(),
-                session,
-                &bytes,
-            );
-        }
+        peers.routed(
+            &gw.metrics,
+            rid,
+            first.name(),
+            endpoint.into(),
+            session,
+            &bytes,
+        );
     }
+
     // Ask for the usage chunk the client did not ask for, to learn from it; it is removed
     // again on the way back.
     let strip_usage = gw.settings.inject_usage

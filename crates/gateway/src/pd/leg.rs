@@ -49,6 +49,8 @@ pub(crate) struct Leg {
     failures: Vec<String>,
     /// Every failure so far meant "cannot take it now" (unreachable or 429), not a fault.
     only_unavailable: bool,
+    /// With `--peer`, for a leg the router did not record itself: its first pick is shared.
+    pub(crate) shared: Option<Arc<super::SharedLeg>>,
 }
 
 impl Leg {
@@ -67,6 +69,7 @@ impl Leg {
             routed_already,
             failures: Vec::new(),
             only_unavailable: true,
+            shared: None,
         }
     }
 
@@ -93,6 +96,18 @@ impl Leg {
                 instance: backend.id,
                 plan: self.routed.plan_for(backend.id),
             });
+            // The first pick goes to the peers; a retry's `Routed` (above) makes them forget it,
+            // as for a request sent whole.
+            if let (Some(peers), Some(shared), 0) = (&self.gw.peers, &self.shared, self.next) {
+                peers.routed(
+                    &self.gw.metrics,
+                    self.routed.rid,
+                    backend.name(),
+                    shared.endpoint,
+                    shared.session.as_deref(),
+                    &shared.body,
+                );
+            }
         }
         let single = Routed {
             rid: self.routed.rid,

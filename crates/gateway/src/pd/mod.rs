@@ -85,6 +85,24 @@ pub(crate) async fn serve(
         let e = leg::exhausted("decode", &model_of(&original), &[], true);
         return reject(gw, e, request_id);
     }
+    // With `--peer`, the decode leg's pick is shared when it is sent (the prefill leg's, the
+    // router's own pick, was shared by the proxy).
+    let shared = gw.peers.as_ref().map(|_| {
+        let chat = parts.uri.path().ends_with("/chat/completions");
+        Arc::new(SharedLeg {
+            endpoint: if chat {
+                crate::peers::WireEndpoint::Chat
+            } else {
+                crate::peers::WireEndpoint::Completions
+            },
+            session: parts
+                .headers
+                .get(&crate::proxy::SESSION_ID)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
+            body: bytes::Bytes::copy_from_slice(body),
+        })
+    });
     let request = Request {
         parts,
         request_id,
@@ -93,6 +111,7 @@ pub(crate) async fn serve(
             && original.bool("stream") == Some(true)
             && !original.contains("stream_options"),
         original,
+        shared,
     };
     match style {
         PdStyle::Nixl => nixl::serve(gw, routed, decode, request).await,
@@ -112,6 +131,19 @@ pub(crate) struct Request<'a> {
     pub(crate) strip_usage: bool,
     /// The client's body, as its top-level members.
     pub(crate) original: body::RawObject<'a>,
+    /// With `--peer`: what the peers need to commit the decode leg's pick.
+    pub(crate) shared: Option<Arc<SharedLeg>>,
+}
+
+/// What a peer replica needs to commit a leg's pick as its own request (`--peer`): the client's
+/// endpoint, session and body (the leg bodies are rewritten for the engines).
+pub struct SharedLeg {
+    /// The client's endpoint.
+    pub endpoint: crate::peers::WireEndpoint,
+    /// The client's `x-session-id`.
+    pub session: Option<String>,
+    /// The client's body.
+    pub body: bytes::Bytes,
 }
 
 /// The decode leg as its own request in the router: a new id over the eligible decode

@@ -102,6 +102,7 @@ pub(crate) async fn serve(
     };
 
     let mut decode = Leg::new(gw, "decode", decode, false);
+    decode.shared = req.shared.clone();
     let body = Bytes::from(decode_body(&req.original, &kv, req.strip_usage));
     let mut tries = 0;
     loop {

@@ -100,6 +100,7 @@ pub(crate) async fn serve(
 ) -> Response {
     let mut prefill = Leg::new(gw, "prefill", prefill, true);
     let mut decode = Leg::new(gw, "decode", decode, false);
+    decode.shared = req.shared.clone();
     for run in 0..=gw.settings.max_retries {
         let Some(p) = prefill.current().cloned() else {
             break;
