@@ -118,8 +118,9 @@ pub struct EngineArgs {
     /// so subscribers see sequence gaps. 0 sends every batch.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub kv_events_drop_every: u64,
-    /// Write the emulator's vocabulary as a Hugging Face tokenizer.json to FILE before serving
-    /// (for the gateway's --tokenizer: prompts made of its words tokenize alike).
+    /// Write the emulator's vocabulary as a Hugging Face tokenizer.json to FILE, and its chat
+    /// template as tokenizer_config.json beside it, before serving (for the gateway's
+    /// --tokenizer: prompts and chat messages made of its words tokenize alike).
     #[arg(long, value_name = "FILE")]
     pub write_tokenizer: Option<PathBuf>,
     /// Engine id reported in KV hand-offs (default derived from port and pid).
@@ -257,6 +258,13 @@ pub fn run(args: EngineArgs) -> Result<()> {
     if let Some(path) = &args.write_tokenizer {
         std::fs::write(path, switchyard_emulator::tokenizer_json::tokenizer_json())
             .with_context(|| format!("--write-tokenizer {}", path.display()))?;
+        // The chat template beside it, as in a Hugging Face model directory.
+        let config = path.with_file_name("tokenizer_config.json");
+        std::fs::write(
+            &config,
+            switchyard_emulator::tokenizer_json::tokenizer_config_json(),
+        )
+        .with_context(|| format!("--write-tokenizer: {}", config.display()))?;
     }
     if args.fidelity {
         return switchyard_emulator::block_on(run_fidelity(

@@ -100,7 +100,8 @@ pub struct FleetArgs {
     #[arg(long, default_value = "5", value_parser = parse_secs)]
     pub kv_events_probation: Duration,
     /// A Hugging Face tokenizer.json for a served base model, MODEL=PATH (repeatable): text
-    /// prompts of /v1/completions for MODEL are tokenized (outside the router lock) so backends
+    /// prompts of /v1/completions for MODEL, and chat messages when a tokenizer_config.json
+    /// with a chat_template sits beside it, are tokenized (outside the router lock) so backends
     /// with kv_events= are matched exactly. Nothing is downloaded.
     #[arg(long = "tokenizer", value_name = "MODEL=PATH")]
     pub tokenizers: Vec<String>,

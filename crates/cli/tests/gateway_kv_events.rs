@@ -84,6 +84,29 @@ fn exact_gateway(a: &Emulator, b: &Emulator, extra: &[&str]) -> Proc {
     gateway(&args)
 }
 
+/// A prompt (`/v1/completions`) or chat messages (`/v1/chat/completions`).
+#[derive(Clone)]
+enum Ask {
+    Prompt(serde_json::Value),
+    Chat(serde_json::Value),
+}
+
+impl Ask {
+    fn path(&self) -> &'static str {
+        match self {
+            Ask::Prompt(_) => "/v1/completions",
+            Ask::Chat(_) => "/v1/chat/completions",
+        }
+    }
+
+    fn body(&self) -> serde_json::Value {
+        match self {
+            Ask::Prompt(p) => json!({"model": MODEL, "prompt": p, "max_tokens": 1}),
+            Ask::Chat(m) => json!({"model": MODEL, "messages": m, "max_tokens": 1}),
+        }
+    }
+}
+
 /// Sends `held` straight to `holder`'s engine, waits until its events reach the gateway (a
 /// request routed before would teach the approximate index instead), then sends `asked`
 /// through the gateway and checks it went to `holder`. Returns the decision header and the
@@ -92,29 +115,19 @@ async fn seed_then_route(
     c: &reqwest::Client,
     gw: &Proc,
     (holder, emu): (&str, &Emulator),
-    held: serde_json::Value,
-    asked: serde_json::Value,
+    held: Ask,
+    asked: Ask,
 ) -> (String, u64) {
     let received = |m: &str| series(m, "switchyard_kv_events_received_total", holder);
     let before = received(&metrics(c, gw).await);
-    let (status, _) = engine_support::post_json(
-        c,
-        &emu.url("/v1/completions"),
-        &json!({"model": MODEL, "prompt": held, "max_tokens": 1}),
-    )
-    .await;
+    let (status, _) = engine_support::post_json(c, &emu.url(held.path()), &held.body()).await;
     assert_eq!(status, 200);
     poll(Duration::from_secs(10), || async {
         (received(&metrics(c, gw).await) > before).then_some(())
     })
     .await
     .expect("the seed's events arrive");
-    let r = post(
-        c,
-        &gw.url("/v1/completions"),
-        &json!({"model": MODEL, "prompt": asked, "max_tokens": 1}),
-    )
-    .await;
+    let r = post(c, &gw.url(asked.path()), &asked.body()).await;
     assert_eq!(r.status, 200, "{}", r.text);
     let decision = r.header("x-switchyard-decision").unwrap_or_default();
     assert_eq!(
@@ -144,7 +157,14 @@ async fn events_route_token_prompts_to_their_holder_and_a_killed_publisher_falls
         let held = tokens(50 + round, 48);
         let mut asked = held.clone();
         asked.extend(tokens(90 + round, 20));
-        let (decision, cached) = seed_then_route(&c, &gw, holder, json!(held), json!(asked)).await;
+        let (decision, cached) = seed_then_route(
+            &c,
+            &gw,
+            holder,
+            Ask::Prompt(json!(held)),
+            Ask::Prompt(json!(asked)),
+        )
+        .await;
         assert!(decision.contains("cached=48"), "round {round}: {decision}");
         assert_eq!(cached, 48, "the engine confirms it held the prompt");
     }
@@ -639,8 +659,14 @@ async fn text_prompts_tokenized_by_the_gateway_predict_cached_tokens_to_the_toke
         // Lengths off the block size: the engine holds whole blocks only.
         let held = words(100 + round, 37 + 5 * round);
         let asked = format!("{held}{}", words(200 + round, 20));
-        let (decision, reported) =
-            seed_then_route(&c, &gw, holder, json!(held), json!(asked)).await;
+        let (decision, reported) = seed_then_route(
+            &c,
+            &gw,
+            holder,
+            Ask::Prompt(json!(held)),
+            Ask::Prompt(json!(asked)),
+        )
+        .await;
         assert_eq!(
             reported,
             u64::from((37 + 5 * round) / 16 * 16),
@@ -652,6 +678,66 @@ async fn text_prompts_tokenized_by_the_gateway_predict_cached_tokens_to_the_toke
         );
     }
     // Every request's prediction was the engine's report, to the token.
+    let m = metrics(&c, &gw).await;
+    for backend in ["a", "b"] {
+        let predicted = series(&m, "switchyard_predicted_cached_tokens_total", backend);
+        assert!(predicted > 0.0);
+        assert_eq!(
+            predicted,
+            series(&m, "switchyard_reported_cached_tokens_total", backend),
+            "{backend}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_messages_tokenized_with_the_chat_template_predict_cached_tokens_to_the_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = dir.path().join("tokenizer.json");
+    let tokenizer = tokenizer.to_str().unwrap();
+    let a = Emulator::start_publishing(MODEL);
+    // Also writes tokenizer_config.json (the chat template) beside the tokenizer.
+    let b = Emulator::start(&[
+        "--model",
+        MODEL,
+        "--speed",
+        "100",
+        "--kv-events-endpoint",
+        "tcp://127.0.0.1:0",
+        "--kv-events-bind",
+        "--write-tokenizer",
+        tokenizer,
+    ]);
+    let tokenizer_flag = format!("{MODEL}={tokenizer}");
+    let gw = exact_gateway(&a, &b, &["--tokenizer", &tokenizer_flag]);
+    let c = client();
+    until_exact(&c, &gw, &a, "a", 5).await;
+    until_exact(&c, &gw, &b, "b", 6).await;
+
+    for round in 0..6u32 {
+        let holder = if round % 2 == 0 { ("a", &a) } else { ("b", &b) };
+        // A conversation held by the engine, then its next turn: the chat template's markers
+        // and the system prompt's length put block boundaries anywhere.
+        let system = words(300 + round, 30 + 3 * round);
+        let question = words(400 + round, 25);
+        let held = json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ]);
+        let asked = json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": words(500 + round, 12)},
+            {"role": "user", "content": words(600 + round, 9)},
+        ]);
+        let (decision, reported) =
+            seed_then_route(&c, &gw, holder, Ask::Chat(held), Ask::Chat(asked)).await;
+        assert!(reported >= 48, "round {round}: {reported} cached");
+        assert!(
+            decision.contains(&format!("cached={reported} ")),
+            "round {round}: the engine reported {reported}: {decision}"
+        );
+    }
     let m = metrics(&c, &gw).await;
     for backend in ["a", "b"] {
         let predicted = series(&m, "switchyard_predicted_cached_tokens_total", backend);

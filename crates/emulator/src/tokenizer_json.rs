@@ -2,10 +2,15 @@
 //! prompts the way the emulator does (`switchyard engine --write-tokenizer FILE`).
 //!
 //! The emulator's tokenizer cuts text into 4-byte chunks whose ids are the chunks' bytes; no
-//! vocabulary file can hold every chunk, so this one holds the 64 words generated output is
-//! made of (each 4 bytes): a prompt written in those words tokenizes to the same ids here and
+//! vocabulary file can hold every chunk, so this one holds every chunk of text made of the 64
+//! words generated output is made of (each 4 bytes) and of the chat template's markers
+//! ([`crate::chat_template`], for the roles in [`CHAT_ROLES`]), at any alignment: a prompt
+//! written in those words, sent whole or as chat messages, tokenizes to the same ids here and
 //! in the emulator. Anything else maps to `[UNK]` (id 0, which the emulator never produces
 //! for text without NUL bytes), so a router can tell it cannot reproduce the ids.
+//!
+//! [`tokenizer_config_json`] is the matching `tokenizer_config.json`: the emulator's chat
+//! template in Jinja, as a Hugging Face model directory carries it.
 
 use serde_json::{json, Map, Value};
 
@@ -17,8 +22,9 @@ pub const UNK_ID: u32 = 0;
 pub fn tokenizer_json() -> String {
     let mut vocab = Map::new();
     vocab.insert("[UNK]".into(), json!(UNK_ID));
-    for (word, id) in switchyard_engine::tokenizer::vocabulary() {
-        vocab.insert(word.into(), json!(id));
+    for piece in pieces() {
+        let id = switchyard_engine::tokenizer::encode(&piece)[0];
+        vocab.insert(piece, json!(id));
     }
     let tokenizer = json!({
         "version": "1.0",
@@ -38,4 +44,47 @@ pub fn tokenizer_json() -> String {
     });
     // A JSON value always serialises.
     serde_json::to_string_pretty(&tokenizer).unwrap_or_default()
+}
+
+/// Roles whose chat markers the vocabulary covers.
+pub const CHAT_ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
+
+/// Every chunk the emulator can cut from text made of vocabulary words and chat markers: each
+/// item is at least 4 bytes, so a 4-byte chunk spans at most two neighbours, and the last,
+/// shorter chunk lies in the last item.
+fn pieces() -> std::collections::BTreeSet<String> {
+    let mut items: Vec<String> = switchyard_engine::tokenizer::vocabulary()
+        .map(|(w, _)| w.to_string())
+        .collect();
+    items.extend(CHAT_ROLES.iter().map(|r| format!("<|{r}|>\n")));
+    items.push("<|end|>\n".to_string());
+    let mut out = std::collections::BTreeSet::new();
+    for x in &items {
+        for n in 1..4 {
+            out.insert(x[x.len() - n..].to_string());
+        }
+        for y in &items {
+            let pair = format!("{x}{y}");
+            for i in 0..=pair.len() - 4 {
+                out.insert(pair[i..i + 4].to_string());
+            }
+        }
+    }
+    out
+}
+
+/// The `tokenizer_config.json` text: [`crate::chat_template`] as a Jinja chat template (with
+/// the generation prompt the emulator always appends).
+pub fn tokenizer_config_json() -> String {
+    let template = "{% for message in messages %}<|{{ message['role'] }}|>\n\
+                    {{ message['content'] }}<|end|>\n{% endfor %}\
+                    {% if add_generation_prompt %}<|assistant|>\n{% endif %}";
+    let config = json!({
+        "chat_template": template,
+        "bos_token": null,
+        "eos_token": null,
+        "tokenizer_class": "PreTrainedTokenizerFast"
+    });
+    // A JSON value always serialises.
+    serde_json::to_string_pretty(&config).unwrap_or_default()
 }

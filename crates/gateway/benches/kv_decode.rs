@@ -48,20 +48,44 @@ fn tokenize(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tokenizer.json");
     std::fs::write(&path, switchyard_emulator::tokenizer_json::tokenizer_json()).unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        switchyard_emulator::tokenizer_json::tokenizer_config_json(),
+    )
+    .unwrap();
     let files = std::collections::BTreeMap::from([("m".to_string(), path)]);
     let tokenizers = switchyard_gateway::tokenize::Tokenizers::load(&files).unwrap();
     drop(dir);
     let words: Vec<&str> = switchyard_engine::tokenizer::vocabulary()
         .map(|(w, _)| w)
         .collect();
-    let text: String = (0..1000).map(|i| words[(i * 7) % words.len()]).collect();
-    c.bench_function("tokenize_1000_tokens", |b| {
-        b.iter(|| {
-            tokenizers
-                .token_ids("m", std::hint::black_box(&text))
-                .map(|ids| ids.len())
-        })
-    });
+    let text = |n: usize| -> String { (0..n).map(|i| words[(i * 7) % words.len()]).collect() };
+    for n in [1000, 2000, 32_000] {
+        let prompt = text(n);
+        c.bench_function(&format!("tokenize_{n}_tokens"), |b| {
+            b.iter(|| {
+                tokenizers
+                    .token_ids("m", std::hint::black_box(&prompt))
+                    .map(|ids| ids.len())
+            })
+        });
+        // The same tokens as a conversation: a system prompt and three turns, rendered with
+        // the chat template first.
+        let (system, turn) = (text(n / 2), text(n / 6));
+        let messages = [
+            ("system", system.as_str()),
+            ("user", turn.as_str()),
+            ("assistant", turn.as_str()),
+            ("user", turn.as_str()),
+        ];
+        c.bench_function(&format!("tokenize_chat_{n}_tokens"), |b| {
+            b.iter(|| {
+                tokenizers
+                    .chat_token_ids("m", std::hint::black_box(&messages))
+                    .map(|ids| ids.len())
+            })
+        });
+    }
 }
 
 criterion_group!(benches, batches, tokenize);

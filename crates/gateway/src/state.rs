@@ -358,11 +358,20 @@ impl Gateway {
         if self.tokenizers.is_empty() || kind != RequestKind::Generate {
             return prompt;
         }
-        let text = match (&parsed.messages, &parsed.prompt) {
-            (None, crate::parse::PromptText::Text(t)) => t,
-            _ => return prompt,
+        let ids = match (&parsed.messages, &parsed.prompt) {
+            (Some(messages), _) => {
+                let messages: Vec<(&str, &str)> = messages
+                    .iter()
+                    .map(|m| (m.role.as_ref(), m.content.as_ref()))
+                    .collect();
+                self.tokenizers.chat_token_ids(&target.model, &messages)
+            }
+            (None, crate::parse::PromptText::Text(t)) => {
+                self.tokenizers.token_ids(&target.model, t)
+            }
+            _ => None,
         };
-        match self.tokenizers.token_ids(&target.model, text) {
+        match ids {
             Some(ids) => prompt.with_token_ids(ids),
             None => prompt,
         }

@@ -2,9 +2,13 @@
 //! a text prompt is turned into the engine's token ids in the prepare step, outside the router
 //! lock, so backends that publish KV events are matched exactly for text prompts too.
 //!
-//! Hugging Face `tokenizer.json` files, loaded from disk (nothing is downloaded). Only
-//! `/v1/completions` text prompts are tokenized: a chat prompt goes through the engine's chat
-//! template first, which the gateway does not reproduce.
+//! Hugging Face `tokenizer.json` files, loaded from disk (nothing is downloaded). Chat messages
+//! are tokenized too when a `tokenizer_config.json` with a `chat_template` sits beside the
+//! `tokenizer.json` (as in every Hugging Face model directory): the messages are rendered with
+//! that Jinja template as `transformers`' `apply_chat_template` and vLLM render them
+//! (`add_generation_prompt`, `bos_token` / `eos_token`, `trim_blocks` and `lstrip_blocks`),
+//! then tokenized without adding special tokens (the template writes them). A template the
+//! renderer cannot run leaves the request to the approximate index.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -31,6 +35,122 @@ pub struct TokenizerError {
 struct Loaded {
     tokenizer: tokenizers::Tokenizer,
     unknown: Vec<u32>,
+    /// From `tokenizer_config.json` beside it, when it has a chat template.
+    chat: Option<ChatTemplate>,
+}
+
+/// A model's chat template, compiled, with the special tokens it may write.
+struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+/// The template's name in its environment.
+const CHAT: &str = "chat";
+
+/// What `tokenizer_config.json` says about chat.
+#[derive(serde::Deserialize)]
+struct TokenizerConfig {
+    #[serde(default)]
+    chat_template: Option<TemplateField>,
+    #[serde(default)]
+    bos_token: Option<TokenField>,
+    #[serde(default)]
+    eos_token: Option<TokenField>,
+}
+
+/// `chat_template`: one template, or named ones (the `default` is the chat template).
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum TemplateField {
+    One(String),
+    Named(Vec<NamedTemplate>),
+}
+
+#[derive(serde::Deserialize)]
+struct NamedTemplate {
+    name: String,
+    template: String,
+}
+
+/// A special token: its text, or an added-token object with `content`.
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum TokenField {
+    Text(String),
+    Added { content: String },
+}
+
+impl TokenField {
+    fn text(self) -> String {
+        match self {
+            TokenField::Text(t) | TokenField::Added { content: t } => t,
+        }
+    }
+}
+
+impl ChatTemplate {
+    /// The template of `config` (a `tokenizer_config.json` text), compiled; none without one.
+    fn from_config(text: &str) -> Result<Option<ChatTemplate>, String> {
+        let config: TokenizerConfig =
+            serde_json::from_str(text).map_err(|e| format!("tokenizer_config.json: {e}"))?;
+        let source = match config.chat_template {
+            None => return Ok(None),
+            Some(TemplateField::One(t)) => t,
+            Some(TemplateField::Named(named)) => {
+                match named.into_iter().find(|t| t.name == "default") {
+                    Some(t) => t.template,
+                    None => return Ok(None),
+                }
+            }
+        };
+        let mut env = minijinja::Environment::new();
+        // As transformers compiles chat templates (jinja2 with these two and no trailing
+        // newline kept).
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| format!("chat template: {e}"))?;
+        env.set_syntax(syntax);
+        // `.strip()`, `.startswith()`, `.items()` and the other Python methods templates use.
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    message,
+                ))
+            },
+        );
+        env.add_template_owned(CHAT, source)
+            .map_err(|e| format!("chat template: {e}"))?;
+        Ok(Some(ChatTemplate {
+            env,
+            bos_token: config.bos_token.map(TokenField::text).unwrap_or_default(),
+            eos_token: config.eos_token.map(TokenField::text).unwrap_or_default(),
+        }))
+    }
+
+    /// The prompt text the engine makes of `messages` (role, content), with the generation
+    /// prompt; none when the template fails on them.
+    fn render(&self, messages: &[(&str, &str)]) -> Option<String> {
+        let messages: Vec<minijinja::Value> = messages
+            .iter()
+            .map(|(role, content)| minijinja::context! { role => *role, content => *content })
+            .collect();
+        let template = self.env.get_template(CHAT).ok()?;
+        template
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => true,
+                bos_token => &self.bos_token,
+                eos_token => &self.eos_token,
+            })
+            .ok()
+    }
 }
 
 /// Tokenizers by served base model.
@@ -57,10 +177,30 @@ impl Tokenizers {
     /// The token ids of `text` for `model` as its engine would see them (special tokens
     /// included); none without a tokenizer for it, or when part of the text is unknown to it.
     pub fn token_ids(&self, model: &str, text: &str) -> Option<Vec<u32>> {
+        self.by_model.get(model)?.encode(text, true)
+    }
+
+    /// The token ids of chat `messages` (role, content) for `model`: rendered with its chat
+    /// template, then tokenized; none without a tokenizer and template for it, or when the
+    /// template fails or part of the text is unknown to the tokenizer.
+    pub fn chat_token_ids(&self, model: &str, messages: &[(&str, &str)]) -> Option<Vec<u32>> {
         let loaded = self.by_model.get(model)?;
-        let encoding = loaded.tokenizer.encode(text, true).ok()?;
+        let text = loaded.chat.as_ref()?.render(messages)?;
+        // The template wrote the special tokens itself.
+        loaded.encode(&text, false)
+    }
+
+    /// Whether `model` has a chat template (for the startup log).
+    pub fn has_chat_template(&self, model: &str) -> bool {
+        self.by_model.get(model).is_some_and(|l| l.chat.is_some())
+    }
+}
+
+impl Loaded {
+    fn encode(&self, text: &str, special: bool) -> Option<Vec<u32>> {
+        let encoding = self.tokenizer.encode(text, special).ok()?;
         let ids = encoding.get_ids();
-        if ids.is_empty() || ids.iter().any(|id| loaded.unknown.contains(id)) {
+        if ids.is_empty() || ids.iter().any(|id| self.unknown.contains(id)) {
             return None;
         }
         Some(ids.to_vec())
@@ -77,7 +217,24 @@ fn load_one(model: &str, path: &Path) -> Result<Loaded, TokenizerError> {
         .iter()
         .filter_map(|t| tokenizer.token_to_id(t))
         .collect();
-    Ok(Loaded { tokenizer, unknown })
+    let error = |reason: String| TokenizerError {
+        model: model.to_string(),
+        path: path.to_path_buf(),
+        reason,
+    };
+    // `tokenizer_config.json` beside `tokenizer.json`: absent means no chat tokenizing; present
+    // but unreadable or with a template that does not compile is an error, not a surprise later.
+    let config = path.with_file_name("tokenizer_config.json");
+    let chat = match std::fs::read_to_string(&config) {
+        Ok(text) => ChatTemplate::from_config(&text).map_err(error)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(error(format!("{}: {e}", config.display()))),
+    };
+    Ok(Loaded {
+        tokenizer,
+        unknown,
+        chat,
+    })
 }
 
 #[cfg(test)]
@@ -90,10 +247,49 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tokenizer.json");
         std::fs::write(&path, switchyard_emulator::tokenizer_json::tokenizer_json()).unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            switchyard_emulator::tokenizer_json::tokenizer_config_json(),
+        )
+        .unwrap();
         Tokenizers::load(&BTreeMap::from([("m".to_string(), path)])).unwrap()
     }
 
+    /// Messages as the emulator's `/v1/chat/completions` takes them.
+    fn emulator_messages(
+        messages: &[(&str, String)],
+    ) -> Vec<switchyard_emulator::openai::ChatMessage> {
+        messages
+            .iter()
+            .map(|(role, content)| {
+                serde_json::from_value(serde_json::json!({"role": role, "content": content}))
+                    .unwrap()
+            })
+            .collect()
+    }
+
     proptest! {
+        #[test]
+        fn chat_messages_rendered_with_the_template_give_the_emulators_ids(
+            turns in proptest::collection::vec(
+                (0usize..5, proptest::collection::vec(0usize..64, 0..40)),
+                1..6,
+            )
+        ) {
+            let vocab: Vec<&str> = vocabulary().map(|(w, _)| w).collect();
+            let roles = switchyard_emulator::tokenizer_json::CHAT_ROLES;
+            let messages: Vec<(&str, String)> = turns
+                .iter()
+                .map(|(r, words)| (roles[*r], words.iter().map(|&i| vocab[i]).collect()))
+                .collect();
+            let pairs: Vec<(&str, &str)> =
+                messages.iter().map(|(r, c)| (*r, c.as_str())).collect();
+            let rendered =
+                switchyard_emulator::chat_template::render(&emulator_messages(&messages));
+            let t = emulators();
+            prop_assert_eq!(t.chat_token_ids("m", &pairs), Some(encode(&rendered)));
+        }
+
         #[test]
         fn the_emulators_tokenizer_json_gives_the_emulators_ids(words in proptest::collection::vec(0usize..64, 1..200)) {
             let vocab: Vec<&str> = vocabulary().map(|(w, _)| w).collect();
@@ -101,6 +297,31 @@ mod tests {
             let t = emulators();
             prop_assert_eq!(t.token_ids("m", &text), Some(encode(&text)));
         }
+    }
+
+    #[test]
+    fn chat_templates_load_from_the_config_beside_the_tokenizer() {
+        let t = emulators();
+        assert!(t.has_chat_template("m"));
+        assert_eq!(
+            t.chat_token_ids("m", &[("user", " the zebra")]),
+            None,
+            "not in the vocabulary"
+        );
+        // Named templates: the `default` one; special tokens as added-token objects.
+        let config = r#"{"chat_template": [{"name": "tool_use", "template": "x"},
+            {"name": "default", "template": "{{ bos_token }}{% for m in messages %}{{ m.content.strip() }}{% endfor %}{{ eos_token }}"}],
+            "bos_token": {"content": "<s>", "lstrip": false}, "eos_token": "</s>"}"#;
+        let chat = ChatTemplate::from_config(config).unwrap().unwrap();
+        assert_eq!(chat.render(&[("user", "  hi ")]).unwrap(), "<s>hi</s>");
+        // A template that raises renders nothing (the request falls back to the index).
+        let raising = r#"{"chat_template": "{{ raise_exception('no system role') }}"}"#;
+        let chat = ChatTemplate::from_config(raising).unwrap().unwrap();
+        assert_eq!(chat.render(&[("system", "x")]), None);
+        // No template: no chat tokenizing; a broken one: an error at load.
+        assert!(ChatTemplate::from_config("{}").unwrap().is_none());
+        assert!(ChatTemplate::from_config(r#"{"chat_template": "{% for %}"}"#).is_err());
+        assert!(ChatTemplate::from_config("not json").is_err());
     }
 
     #[test]
