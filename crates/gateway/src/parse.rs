@@ -13,6 +13,9 @@ use serde::Deserialize;
 use switchyard_core::{ChatMessage, Phase, Prompt, RouteRequest};
 
 use crate::error::ApiError;
+
+/// `x-session-id`: the client's sticky-session key (the body's `user` otherwise).
+pub static SESSION_ID: http::HeaderName = http::HeaderName::from_static("x-session-id");
 use crate::json::Scanner;
 
 /// A completion prompt as the router sees it.

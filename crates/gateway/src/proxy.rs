@@ -42,8 +42,6 @@ impl From<Endpoint> for crate::peers::WireEndpoint {
     }
 }
 
-/// `x-session-id`.
-pub(crate) static SESSION_ID: HeaderName = HeaderName::from_static("x-session-id");
 /// `x-switchyard-phase` (see [`parse::phase_header`]).
 static PHASE: HeaderName = HeaderName::from_static("x-switchyard-phase");
 
@@ -323,7 +321,10 @@ where
             return reject(&gw, ApiError::body_timeout(secs), &request_id);
         }
     };
-    let session = parts.headers.get(&SESSION_ID).and_then(|v| v.to_str().ok());
+    let session = parts
+        .headers
+        .get(&parse::SESSION_ID)
+        .and_then(|v| v.to_str().ok());
     let mut parsed = match parse::parse(&bytes, session) {
         Ok(p) => p,
         Err(e) => return reject(&gw, e, &request_id),

@@ -97,7 +97,7 @@ pub(crate) async fn serve(
             },
             session: parts
                 .headers
-                .get(&crate::proxy::SESSION_ID)
+                .get(&crate::parse::SESSION_ID)
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string),
             body: bytes::Bytes::copy_from_slice(body),
