@@ -5,10 +5,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use switchyard_core::RouterConfig;
-use switchyard_gateway::config::parse_api_keys;
+use switchyard_gateway::config::{parse_api_keys, PeerDns};
 use switchyard_gateway::pd::PdStyle;
 use switchyard_gateway::Settings;
 
@@ -80,6 +80,17 @@ pub struct ServeArgs {
     /// whatever this says.
     #[arg(long, default_value = "nixl", value_name = "nixl|sglang")]
     pub pd_style: PdStyle,
+    /// Find the other replicas by DNS (a headless Service, a Compose service): every address
+    /// HOST resolves to (its IPv4 ones when it has any, else its IPv6 ones) is a replica at
+    /// http://ADDRESS:PORT, re-resolved every --peer-dns-interval. This replica is left out: on
+    /// PORT, its --listen address, $POD_IP (or $POD_IPS), and with --listen on 0.0.0.0 or ::
+    /// every address of this host. Adds to --peer; a failed resolution keeps the last peers.
+    /// Needs --admin-token, the same on every replica.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub peer_dns: Option<String>,
+    /// Seconds between two resolutions of --peer-dns.
+    #[arg(long, default_value = "5", value_parser = parse_secs, value_name = "SECS")]
+    pub peer_dns_interval: Duration,
     #[command(flatten)]
     pub placement: PlacementArgs,
 }
@@ -171,6 +182,19 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
     let mut router = args.fleet.router()?;
     let lora_paths = args.placement.apply(&mut router)?;
     let common = args.fleet.settings(router, true)?;
+    let peer_dns = args
+        .peer_dns
+        .as_deref()
+        .map(|text| -> Result<PeerDns> {
+            if common.admin_token.is_none() {
+                bail!("--peer-dns needs --admin-token (the same on every replica): peers sync through /admin/peer-sync");
+            }
+            if args.peer_dns_interval.is_zero() {
+                bail!("--peer-dns-interval must be > 0");
+            }
+            PeerDns::parse(text, args.peer_dns_interval).map_err(|e| anyhow!("--peer-dns {e}"))
+        })
+        .transpose()?;
     let mut api_keys = match std::env::var("SWITCHYARD_API_KEYS") {
         Ok(v) => parse_api_keys(&v),
         Err(_) => Default::default(),
@@ -200,6 +224,8 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
         debug_header: args.debug_header,
         pd_style: args.pd_style,
         lora_paths,
+        peer_discovery: common.peer_discovery || peer_dns.is_some(),
+        peer_dns,
         ..common
     })
 }
@@ -466,6 +492,104 @@ mod tests {
                 e.contains("--model-alias") && e.contains(names),
                 "{bad:?}: {e}"
             );
+        }
+    }
+
+    #[test]
+    fn peer_dns_flags() {
+        let off = Cli::try_parse_from(["x", "--backend", "h:1"]).unwrap();
+        let s = settings(&off.args).unwrap();
+        assert!(s.peer_dns.is_none() && !s.peer_discovery);
+        let cli = Cli::try_parse_from([
+            "x",
+            "--backend",
+            "h:1",
+            "--admin-token",
+            "t",
+            "--peer-dns",
+            "switchyard-peers.llm.svc.cluster.local:8080",
+            "--peer",
+            "http://10.0.0.1:8080",
+        ])
+        .unwrap();
+        let s = settings(&cli.args).unwrap();
+        let dns = s.peer_dns.expect("peer dns");
+        assert_eq!(dns.host, "switchyard-peers.llm.svc.cluster.local");
+        assert_eq!(dns.port, 8080);
+        assert_eq!(dns.interval, Duration::from_secs(5));
+        assert!(s.peer_discovery);
+        assert_eq!(s.peers.len(), 1, "--peer and --peer-dns combine");
+        let cli = Cli::try_parse_from([
+            "x",
+            "--backend",
+            "h:1",
+            "--admin-token",
+            "t",
+            "--peer-dns",
+            "[::1]:9000",
+            "--peer-dns-interval",
+            "0.5",
+        ])
+        .unwrap();
+        let dns = settings(&cli.args).unwrap().peer_dns.expect("peer dns");
+        assert_eq!((dns.host.as_str(), dns.port), ("::1", 9000));
+        assert_eq!(dns.interval, Duration::from_millis(500));
+        for (bad, says) in [
+            (vec!["--peer-dns", "peers:8080"], "needs --admin-token"),
+            (
+                vec!["--admin-token", "t", "--peer-dns", "peers"],
+                "port is missing",
+            ),
+            (
+                vec!["--admin-token", "t", "--peer-dns", "[::1]"],
+                "port is missing",
+            ),
+            (
+                vec!["--admin-token", "t", "--peer-dns", "peers:"],
+                "not 1..65535",
+            ),
+            (
+                vec!["--admin-token", "t", "--peer-dns", "peers:0"],
+                "not 1..65535",
+            ),
+            (
+                vec!["--admin-token", "t", "--peer-dns", "peers:http"],
+                "not 1..65535",
+            ),
+            (
+                vec!["--admin-token", "t", "--peer-dns", ":8080"],
+                "not a host",
+            ),
+            (
+                vec!["--admin-token", "t", "--peer-dns", "http://peers:8080"],
+                "without a scheme",
+            ),
+            (
+                vec!["--admin-token", "t", "--peer-dns", "::1:8080"],
+                "in brackets",
+            ),
+            (
+                vec!["--admin-token", "t", "--peer-dns", "[x]:8080"],
+                "in brackets",
+            ),
+            (
+                vec![
+                    "--admin-token",
+                    "t",
+                    "--peer-dns",
+                    "p:1",
+                    "--peer-dns-interval",
+                    "0",
+                ],
+                "--peer-dns-interval must be > 0",
+            ),
+        ] {
+            let mut argv = vec!["x", "--backend", "h:1"];
+            argv.extend(bad.iter().copied());
+            let cli = Cli::try_parse_from(argv).unwrap();
+            let e = settings(&cli.args).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad:?}: {e}");
+            assert!(e.contains("--peer-dns"), "{bad:?}: {e}");
         }
     }
 

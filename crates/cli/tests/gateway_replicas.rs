@@ -1,7 +1,7 @@
 //! Two `switchyard serve` replicas in front of the same emulated engines, told of each other
 //! with `--peer`: a conversation one replica placed continues on the same engine through the
 //! other, the other counts the first one's requests as load, and forgets them when the first
-//! one dies.
+//! one dies. With `--peer-dns` they find each other by resolving a name.
 
 mod gateway_support;
 mod support;
@@ -34,6 +34,47 @@ fn replica_with(port: u16, peer: u16, backends: &[String], extra: &[&str]) -> Pr
         args.extend(["--backend", b.as_str()]);
     }
     gateway(&args)
+}
+
+/// A replica that finds its peer by resolving `localhost` on `peer` (`--peer-dns`), every 0.1 s.
+fn dns_replica(port: u16, peer: u16, backends: &[String]) -> Proc {
+    let listen = format!("127.0.0.1:{port}");
+    let peer = format!("localhost:{peer}");
+    let mut args = vec![
+        "--listen",
+        &listen,
+        "--peer-dns",
+        &peer,
+        "--peer-dns-interval",
+        "0.1",
+        "--admin-token",
+        TOKEN,
+        "--debug-header",
+    ];
+    for b in backends {
+        args.extend(["--backend", b.as_str()]);
+    }
+    gateway(&args)
+}
+
+/// The replica's peer URLs (`/admin/fleet`), without a trailing slash.
+async fn peer_urls(c: &reqwest::Client, gw: &Proc) -> Vec<String> {
+    let fleet = get_with(
+        c,
+        &gw.url("/admin/fleet"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+    )
+    .await
+    .json();
+    fleet["peers"]["urls"]
+        .as_array()
+        .map(|urls| {
+            urls.iter()
+                .filter_map(|u| u.as_str())
+                .map(|u| u.trim_end_matches('/').to_string())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Requests the replica counts in flight over all backends (`/admin/fleet`).
@@ -118,6 +159,38 @@ async fn replicas_that_share_decisions_continue_each_others_conversations() {
         "A still counts the dead replica's request"
     );
     let _ = stream.await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_found_by_dns_continue_each_others_conversations() {
+    // Both replicas listen on 127.0.0.1, where `localhost` resolves for both: each is given the
+    // other's port (leaving itself out of what a name resolves to is unit-tested in
+    // crates/gateway/src/peer_dns.rs).
+    let engines = [engine_on(0, &[]), engine_on(0, &[])];
+    let backends: Vec<String> = engines.iter().map(backend).collect();
+    let (port_a, port_b) = (closed_port(), closed_port());
+    let a = dns_replica(port_a, port_b, &backends);
+    let b = dns_replica(port_b, port_a, &backends);
+    let c = client();
+    for (gw, other) in [(&a, port_b), (&b, port_a)] {
+        let want = vec![format!("http://127.0.0.1:{other}")];
+        let found = poll(Duration::from_secs(10), || async {
+            (peer_urls(&c, gw).await == want).then_some(())
+        })
+        .await;
+        assert!(
+            found.is_some(),
+            "no peer found by DNS: {:?}",
+            peer_urls(&c, gw).await
+        );
+    }
+    // Conversations started on A continue on B on the engine A picked, with the first turn
+    // cached (two idle engines: all three right by chance one time in eight).
+    for conversation in 0..3 {
+        let tag = format!("dns-replica-conversation-{conversation}");
+        let served = |r: &Reply| r.header("x-switchyard-backend");
+        continue_on_peer(&c, &a.url("/v1/completions"), served, &b, &tag).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -271,4 +344,22 @@ async fn peer_sync_is_refused_without_the_token_or_the_flag() {
         "ftp://x",
     ]);
     assert!(err.contains("expected http://HOST:PORT"), "{err}");
+    let err = fails(&[
+        "serve",
+        "--backend",
+        &backend(&engine),
+        "--peer-dns",
+        "localhost:8080",
+    ]);
+    assert!(err.contains("--peer-dns needs --admin-token"), "{err}");
+    let err = fails(&[
+        "serve",
+        "--backend",
+        &backend(&engine),
+        "--admin-token",
+        "t",
+        "--peer-dns",
+        "localhost",
+    ]);
+    assert!(err.contains("port is missing"), "{err}");
 }

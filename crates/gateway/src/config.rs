@@ -91,9 +91,66 @@ pub struct Settings {
     /// Other replicas in front of the same fleet (`--peer URL`): decisions and outcomes are
     /// shared with them (the `peers` module).
     pub peers: Vec<http::Uri>,
-    /// Peers are discovered while running (`switchyard epp --peer-selector`): replica sync is on
-    /// even while none is known.
+    /// Peers are discovered while running (`switchyard epp --peer-selector`, `switchyard serve
+    /// --peer-dns`): replica sync is on even while none is known.
     pub peer_discovery: bool,
+    /// Peers found by resolving a DNS name (`--peer-dns HOST:PORT`), added to `peers`.
+    pub peer_dns: Option<PeerDns>,
+}
+
+/// Peers found by DNS (`switchyard serve --peer-dns HOST:PORT`): every address the name
+/// resolves to is a replica, reached at `http://ADDRESS:PORT` (the `peer_dns` module).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerDns {
+    /// The name to resolve (a headless Service, a Compose service, or an address).
+    pub host: String,
+    /// The peers' HTTP port.
+    pub port: u16,
+    /// Time between two resolutions.
+    pub interval: Duration,
+}
+
+impl PeerDns {
+    /// Parses `HOST:PORT` (an IPv6 address in brackets, `[::1]:8080`), resolved every
+    /// `interval`; the error says what is wrong with the text.
+    pub fn parse(text: &str, interval: Duration) -> Result<PeerDns, String> {
+        let text = text.trim();
+        if text.contains("://") {
+            return Err(format!(
+                "`{text}`: expected HOST:PORT without a scheme (peers are reached over http)"
+            ));
+        }
+        let Some((host, port)) = text.rsplit_once(':').filter(|_| !text.ends_with(']')) else {
+            return Err(format!("`{text}`: expected HOST:PORT, the port is missing"));
+        };
+        let host = match host.strip_prefix('[') {
+            Some(inner) => inner
+                .strip_suffix(']')
+                .filter(|h| h.parse::<std::net::Ipv6Addr>().is_ok())
+                .ok_or_else(|| format!("`{text}`: `{host}` is not an IPv6 address in brackets"))?,
+            None if host.contains(':') => {
+                return Err(format!(
+                    "`{text}`: expected HOST:PORT (an IPv6 address goes in brackets: [::1]:8080)"
+                ))
+            }
+            None => host,
+        };
+        if host.is_empty() || host.contains(|c: char| c.is_whitespace() || "/?#@[]".contains(c)) {
+            return Err(format!("`{text}`: `{host}` is not a host name or address"));
+        }
+        let port = match port.parse::<u16>() {
+            Ok(p) if p > 0 => p,
+            _ => return Err(format!("`{text}`: the port `{port}` is not 1..65535")),
+        };
+        if interval.is_zero() {
+            return Err("the resolution interval must be > 0".into());
+        }
+        Ok(PeerDns {
+            host: host.to_string(),
+            port,
+            interval,
+        })
+    }
 }
 
 impl Default for Settings {
@@ -135,6 +192,7 @@ impl Default for Settings {
             tokenizers: BTreeMap::new(),
             peers: Vec::new(),
             peer_discovery: false,
+            peer_dns: None,
         }
     }
 }

@@ -40,6 +40,7 @@ pub mod membership;
 pub mod metrics;
 pub mod parse;
 pub mod pd;
+pub mod peer_dns;
 pub mod peer_sync;
 pub mod peers;
 pub mod promtext;
@@ -99,7 +100,8 @@ pub struct RunningGateway {
     _watcher: Option<watch::FleetWatcher>,
     /// The dynamic adapter placement task, stopped at shutdown.
     placement: Option<JoinHandle<()>>,
-    /// The replica-sync senders and sweep (`--peer`), stopped at shutdown.
+    /// The replica-sync senders and sweep (`--peer`) and the `--peer-dns` resolver, stopped at
+    /// shutdown.
     peers: Vec<JoinHandle<()>>,
 }
 
@@ -186,7 +188,8 @@ pub async fn start(settings: Settings) -> Result<RunningGateway, GatewayError> {
         .placement
         .enabled
         .then(|| tokio::spawn(adapter_loader::run(gw.clone())));
-    let peers = peer_sync::spawn(&gw);
+    let mut peers = peer_sync::spawn(&gw);
+    peers.extend(peer_dns::spawn(&gw, addr));
     Ok(RunningGateway {
         addr,
         gateway: gw,

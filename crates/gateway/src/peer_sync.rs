@@ -150,13 +150,16 @@ fn commit_peer_pick(
     Some(local)
 }
 
-/// Makes `urls` the peers (Kubernetes discovery, `switchyard epp --peer-selector`): senders
-/// start for new peers, and end for peers no longer listed.
-pub fn set_peers(gw: &Arc<Gateway>, urls: &[Uri]) {
+/// Makes the `--peer` URLs and the `discovered` ones the peers (`switchyard epp
+/// --peer-selector`, `switchyard serve --peer-dns`): senders start for new peers, and end for
+/// peers no longer listed.
+pub fn set_peers(gw: &Arc<Gateway>, discovered: &[Uri]) {
     let Some(peers) = gw.peers.as_ref() else {
         return;
     };
-    for (url, rx) in peers.set_urls(urls) {
+    let mut urls = gw.settings.peers.clone();
+    urls.extend_from_slice(discovered);
+    for (url, rx) in peers.set_urls(&urls) {
         tracing::info!(peer = %url, "sharing decisions with a new peer");
         tokio::spawn(send_loop(gw.clone(), url, rx));
     }

@@ -316,7 +316,9 @@ impl Gateway {
         }
         let block_bytes = registry.router.block_bytes();
         let id_prefix = nanos ^ std::process::id().rotate_left(16);
-        let peers = (!settings.peers.is_empty() || settings.peer_discovery).then(|| {
+        let sync =
+            !settings.peers.is_empty() || settings.peer_discovery || settings.peer_dns.is_some();
+        let peers = sync.then(|| {
             // A replica's name for its peers: random per process, so a restarted replica's
             // requests are never confused with its earlier life's.
             let origin = (u64::from(id_prefix) << 32)
