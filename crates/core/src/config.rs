@@ -143,7 +143,8 @@ pub struct CostConfig {
     pub tie_relative: f64,
     /// Candidates within this many seconds of the best cost are tied and picked at random.
     pub tie_absolute_s: f64,
-    /// Weight of the delay a prefill inflicts on each sequence decoding on the same instance.
+    /// Weight of the delay a prefill inflicts on each sequence decoding on the same instance
+    /// (a decode instance running a prompt whole is charged in full, whatever this says).
     pub decode_interference_weight: f64,
     /// KV usage above which a new request risks preemption.
     pub kv_high_watermark: f64,

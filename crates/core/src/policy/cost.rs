@@ -53,7 +53,15 @@ fn wait_and_interference_s(
     // suite's long-tail workload: ITL p99 1.32x the best baseline's, mean TTFT 1.05x in
     // overload).
     let avoidable_s = (prefill_s - unavoidable_s).max(0.0);
-    let interference = cost.decode_interference_weight * f64::from(view.running) * avoidable_s
+    // A decode instance's batch is one the operator set apart from prefills (that is what
+    // disaggregating buys): a prompt run whole there stalls it in full, not discounted as a
+    // mixed batch's stall is.
+    let weight = if instance.spec.role == Role::Decode {
+        1.0
+    } else {
+        cost.decode_interference_weight
+    };
+    let interference = weight * f64::from(view.running) * avoidable_s
         + cost.queue_interference_weight * backlog * prefill_s;
     (wait_s, interference)
 }
