@@ -2,6 +2,7 @@
 """Why did switchyard route there? Replays a request file and keeps the decision headers.
 
     python3 bench/llamacpp_decisions.py WORKLOAD.jsonl URL OUT.jsonl [--model tiny-llama]
+    python3 bench/llamacpp_decisions.py WORKLOAD.jsonl - OUT.jsonl --analyse
 
 For diagnosis only (bench/llamacpp.sh does the measuring): sends every request of a
 bench/llamacpp_workload.py file to URL (a `switchyard serve --debug-header`) at its offset,
@@ -20,6 +21,9 @@ import sys
 import threading
 import time
 import urllib.parse
+
+# Tokens per trace block in bench/llamacpp_workload.py's default (`--block-tokens`).
+BLOCK_TOKENS = 16
 
 
 def send(base, model, req, out, lock):
@@ -60,10 +64,16 @@ def send(base, model, req, out, lock):
 
 
 def analyse(requests, recs):
-    """Share of prefix-sharing requests that went to the earlier sharer's backend."""
+    """Share of prefix-sharing requests that went to the earlier sharer's backend, and where the
+    cache hits they could have had went: the shared tokens of those sent to the sharer's backend
+    against the cached tokens its engine reported (what eviction cost), and the shared tokens of
+    those sent elsewhere (what routing away cost)."""
     seen = []  # (segments, backend) of earlier requests, in send order
     hits = misses = 0
     examples = []
+    # "holder" / "away": [requests, shared tokens (blocks x BLOCK_TOKENS), cached tokens reported]
+    split = {"holder": [0, 0, 0], "away": [0, 0, 0]}
+    prompt_tokens = 0
     for req in requests:
         rec = recs.get(req["id"], {})
         segs = req["prompt"]["text"]
@@ -74,27 +84,54 @@ def analyse(requests, recs):
                 k += 1
             if k >= best and k > 0:
                 best, best_backend = k, pbackend
+        prompt_tokens += rec.get("prompt_tokens") or 0
         # Only prefixes beyond the first block (the trace's common system block) count.
         if best >= 2 and rec.get("backend"):
-            if rec["backend"] == best_backend:
+            kind = "holder" if rec["backend"] == best_backend else "away"
+            row = split[kind]
+            row[0] += 1
+            row[1] += best * BLOCK_TOKENS
+            row[2] += rec.get("cached_tokens") or 0
+            if kind == "holder":
                 hits += 1
             else:
                 misses += 1
                 if len(examples) < 8:
                     examples.append((req["id"], best, best_backend, rec))
         seen.append((segs, rec.get("backend")))
-    return hits, misses, examples
+    return hits, misses, examples, split, prompt_tokens
+
+
+def report(requests, out):
+    hits, misses, examples, split, prompt_tokens = analyse(requests, out)
+    total = hits + misses
+    print(f"requests sharing >= 2 blocks with an earlier one: {total}; sent to the backend "
+          f"of the longest earlier sharer: {hits} ({100 * hits / max(total, 1):.1f} %)")
+    for kind, (n, shared, cached) in split.items():
+        print(f"- {kind:6}: {n} requests, shared tokens {100 * shared / max(prompt_tokens, 1):.1f} %"
+              f" of all prompt tokens, cached {100 * cached / max(prompt_tokens, 1):.1f} %")
+    for rid, blocks, want, rec in examples:
+        print(f"- request {rid}: shares {blocks} blocks with a request served by {want}; went "
+              f"to {rec.get('backend')} (cached {rec.get('cached_tokens')} of "
+              f"{rec.get('prompt_tokens')}):\n  {rec.get('decision')}")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workload")
-    ap.add_argument("url")
+    ap.add_argument("url", help="the router, or with --analyse: unused (write -)")
     ap.add_argument("out")
     ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--analyse", action="store_true",
+                    help="only analyse OUT, written by an earlier run, against WORKLOAD")
     args = ap.parse_args(argv)
     with open(args.workload) as f:
         requests = [json.loads(line) for line in f if line.strip()]
+    if args.analyse:
+        with open(args.out) as f:
+            out = {r["id"]: r for r in (json.loads(line) for line in f if line.strip())}
+        report(requests, out)
+        return 0
     out, lock, threads = {}, threading.Lock(), []
     start = time.monotonic() + 0.05
     for req in requests:
@@ -110,14 +147,7 @@ def main(argv=None):
     with open(args.out, "w") as f:
         for req in requests:
             f.write(json.dumps(out.get(req["id"], {"id": req["id"]})) + "\n")
-    hits, misses, examples = analyse(requests, out)
-    total = hits + misses
-    print(f"requests sharing >= 2 blocks with an earlier one: {total}; sent to the backend "
-          f"of the longest earlier sharer: {hits} ({100 * hits / max(total, 1):.1f} %)")
-    for rid, blocks, want, rec in examples:
-        print(f"- request {rid}: shares {blocks} blocks with a request served by {want}; went "
-              f"to {rec.get('backend')} (cached {rec.get('cached_tokens')} of "
-              f"{rec.get('prompt_tokens')}):\n  {rec.get('decision')}")
+    report(requests, out)
     return 0
 
 

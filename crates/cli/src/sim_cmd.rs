@@ -60,8 +60,8 @@ pub struct SimArgs {
     /// How traffic is split among replicas: round-robin or random.
     #[arg(long, default_value = "round-robin")]
     split: Split,
-    /// Replicas share every decision and its outcome at once (an upper bound: the gateway has
-    /// no such channel yet).
+    /// Replicas share every decision and its outcome at once (what `serve --peer` does, without
+    /// its network delay: add --replica-sync-delay).
     #[arg(long)]
     replica_sync: bool,
     /// With --replica-sync: seconds from a replica's decision to the others applying it.

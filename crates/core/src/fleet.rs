@@ -142,6 +142,8 @@ pub struct Learned {
     pub prefill_tokens_per_s: f64,
     /// Mean time a request holds a sequence slot (its prefill and decode, not its queueing), s.
     pub service_time_s: f64,
+    /// Finished requests behind `service_time_s` (the prior counts until the first).
+    pub service_samples: u32,
     /// Share of predicted cached tokens the engine actually reported as cached (0..=1).
     pub cache_trust: f64,
     /// Mean uncached prompt tokens per request sent here (to price engine-reported queues).
@@ -505,6 +507,7 @@ mod tests {
         Learned {
             prefill_tokens_per_s: 1000.0,
             service_time_s: 1.0,
+            service_samples: 0,
             cache_trust: 1.0,
             mean_uncached_tokens: 100.0,
             survival: Default::default(),

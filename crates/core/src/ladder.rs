@@ -93,6 +93,7 @@ mod tests {
         Learned {
             prefill_tokens_per_s: 10_000.0,
             service_time_s: 10.0,
+            service_samples: 0,
             cache_trust: 1.0,
             mean_uncached_tokens: 1000.0,
             survival: Default::default(),

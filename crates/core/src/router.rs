@@ -207,6 +207,13 @@ fn ewma(current: f64, sample: f64, rate: f64) -> f64 {
     current + rate * (sample - current)
 }
 
+/// A moving average that starts as the plain mean of its first samples (`samples` taken so far)
+/// until it has seen its window: a prior far from the engine's figure (a 10 s service time for a
+/// model that answers in 50 ms) would otherwise steer the first hundred decisions.
+fn warm_ewma(current: f64, sample: f64, rate: f64, samples: u32) -> f64 {
+    ewma(current, sample, rate.max(1.0 / (f64::from(samples) + 1.0)))
+}
+
 impl Router {
     /// A router with the given settings and an empty fleet.
     pub fn new(config: RouterConfig) -> Result<Router, ConfigError> {
@@ -304,6 +311,7 @@ impl Router {
         Learned {
             prefill_tokens_per_s: spec.prefill_tokens_per_s.unwrap_or(e.prefill_tokens_per_s),
             service_time_s: e.service_time_s,
+            service_samples: 0,
             cache_trust: 1.0,
             mean_uncached_tokens: 1000.0,
             survival: Default::default(),
@@ -1070,8 +1078,14 @@ impl Router {
             let speed = instance.learned.prefill_tokens_per_s.max(1.0);
             let prefill_s = (f64::from(record.uncached_tokens) / speed).min(ttft_s);
             let occupancy_s = (now - first_token_at) + prefill_s;
-            instance.learned.service_time_s =
-                ewma(instance.learned.service_time_s, occupancy_s, rate);
+            let learned = &mut instance.learned;
+            learned.service_time_s = warm_ewma(
+                learned.service_time_s,
+                occupancy_s,
+                rate,
+                learned.service_samples,
+            );
+            learned.service_samples = learned.service_samples.saturating_add(1);
         }
         self.relevel(record.instance, now);
         if !finished {

@@ -1229,7 +1229,6 @@ fn cost_prices_the_slots_an_engine_declares() {
 #[test]
 fn a_slots_service_time_leaves_out_the_time_queued_for_it() {
     let (mut router, ids) = router("cost", 1);
-    let prior = router.learned(ids[0]).unwrap().service_time_s;
     let rate = RouterConfig::default().estimates.learning_rate;
     // Queued for 5 s, then half a second of prefill and decode.
     let text = prompt("a short question ", 100, 1);
@@ -1240,14 +1239,21 @@ fn a_slots_service_time_leaves_out_the_time_queued_for_it() {
     router
         .observe(Observation::Finished(RequestId(1), None), 5.5)
         .unwrap();
-    let learned = router.learned(ids[0]).unwrap().service_time_s;
-    // The sample is the decode (0.5 s) plus at most the prefill of 100 tokens.
-    let most = prior + rate * (0.6 - prior);
-    let least = prior + rate * (0.5 - prior);
-    assert!(
-        (least..=most).contains(&learned),
-        "{learned} not in {least}..={most}"
-    );
+    // The first sample replaces the prior: the decode (0.5 s) plus at most the prefill of 100
+    // tokens.
+    let first = router.learned(ids[0]).unwrap().service_time_s;
+    assert!((0.5..=0.6).contains(&first), "{first}");
+    // Later samples move it as a moving average, within its window as a plain mean.
+    send(&mut router, 2, &RouteRequest::text("m", &text), 6.0);
+    router
+        .observe(Observation::FirstToken(RequestId(2)), 6.0)
+        .unwrap();
+    router
+        .observe(Observation::Finished(RequestId(2), None), 7.5)
+        .unwrap();
+    let second = router.learned(ids[0]).unwrap().service_time_s;
+    let expected = first + (1.0 / 2.0f64).max(rate) * (1.5 - first);
+    assert!((second - expected).abs() < 0.06, "{second} vs {expected}");
 }
 
 #[test]

@@ -154,7 +154,8 @@ pub struct SimConfig {
     pub split: Split,
     /// Replicas tell each other every decision and its outcome at once (first token, end): each
     /// then counts the others' in-flight requests as its own. The upper bound of what sharing
-    /// decisions between replicas recovers; the gateway has no such channel yet.
+    /// decisions between replicas recovers (`serve --peer` is that channel, with a network's
+    /// delay: model it with `replica_sync_delay_s`).
     pub replica_sync: bool,
     /// With `replica_sync`: seconds from a replica's decision (or outcome) to the others
     /// applying it.

@@ -129,6 +129,7 @@ mod tests {
         let learned = Learned {
             prefill_tokens_per_s: 1000.0,
             service_time_s: 1.0,
+            service_samples: 0,
             cache_trust: 1.0,
             mean_uncached_tokens: 100.0,
             survival: Default::default(),
