@@ -15,12 +15,14 @@
 //! - [`client`]: one streamed request over HTTP/1.1 and its measurements.
 //! - [`stats`]: histograms and counters of a run.
 //! - [`run`]: the open-loop dispatcher.
+//! - [`pace`]: precise absolute-deadline sleeps (timerfd or busy-poll) keeping a schedule.
 //! - [`report`]: the run's summary as JSON and Markdown.
 
 #![warn(missing_docs)]
 
 pub mod client;
 pub mod error;
+pub mod pace;
 pub mod plan;
 pub mod report;
 pub mod run;
@@ -28,6 +30,7 @@ pub mod sse;
 pub mod stats;
 
 pub use error::{LoadgenError, Result};
+pub use pace::{PaceMode, Pacer};
 pub use plan::{Api, Plan, PlanOptions, PlannedRequest};
 pub use report::{Report, Summary};
 pub use run::{discover_model, run, RunOptions};
