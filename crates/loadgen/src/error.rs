@@ -42,6 +42,9 @@ pub enum LoadgenError {
     /// The pacing timer could not be set up or armed.
     #[error("pacing timer: {0}")]
     Pacer(std::io::Error),
+    /// The fixed-rate mode's preflight request failed.
+    #[error("preflight request failed: {0}")]
+    Preflight(String),
     /// Serialising JSON output.
     #[error("json: {0}")]
     Json(#[from] serde_json::Error),
