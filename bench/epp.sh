@@ -10,9 +10,9 @@
 # ext_proc server (crates/epp/examples/null_picker.rs: the same messages, no parsing, round
 # robin), which sets Envoy's ext_proc machinery and the gRPC round trips apart from the
 # picker's own work. All on 127.0.0.1. Each target gets the open-loop load
-# generator (crates/gateway/examples/overhead.rs) at RATE req/s (default 1000): a 2,048-token
-# chat request, non-streamed, latency to the complete response; DURATION s after WARMUP s,
-# REPEATS rounds of direct -> envoy-rr -> envoy-null -> envoy-epp -> envoy-epp-nobody. The table shows the
+# generator (crates/loadgen/examples/overhead.rs, over switchyard_loadgen::fixed) at RATE req/s
+# (default 1000): a 2,048-token chat request, non-streamed, latency to the complete response;
+# DURATION s after WARMUP s, REPEATS rounds of direct -> envoy-rr -> envoy-null -> envoy-epp -> envoy-epp-nobody. The table shows the
 # median over rounds, the latency added over Envoy round robin, and the picker's CPU per
 # request. Everything stops by itself and is removed on exit.
 #
@@ -39,7 +39,7 @@ source "$ROOT/bench/lib.sh"
 
 log "building (release)..."
 (cd "$ROOT" && cargo build --release --quiet -p switchyard --bin switchyard \
-    -p switchyard-gateway --example overhead -p switchyard-epp --example null_picker) ||
+    -p switchyard-loadgen --example overhead -p switchyard-epp --example null_picker) ||
     die "build failed"
 SY=$ROOT/target/release/switchyard
 GEN=$ROOT/target/release/examples/overhead

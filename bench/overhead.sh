@@ -4,8 +4,9 @@
 # Starts two zero-delay emulators (`switchyard engine --instant`), `switchyard serve` over
 # both (cost policy) and nginx (Debian package; round robin over both, keep-alive upstream
 # connections), all on 127.0.0.1, then drives each target with the open-loop load generator
-# (crates/gateway/examples/overhead.rs): a 2,048-token chat request (8 KiB of text,
-# max_tokens 4, non-streaming) at a constant rate, latency to the complete response.
+# (crates/loadgen/examples/overhead.rs, over switchyard_loadgen::fixed): a 2,048-token chat
+# request (8 KiB of text, max_tokens 4, non-streaming) at a constant rate, latency to the
+# complete response.
 #
 #   1. fixed rates (RATES, default 500 and 2000 req/s): DURATION s measured after WARMUP s,
 #      REPEATS rounds, each round direct -> switchyard -> nginx; the table shows the median
@@ -91,7 +92,7 @@ source "$ROOT/bench/lib.sh"
 # --- build ------------------------------------------------------------------------------
 log "building (release)..."
 (cd "$ROOT" && cargo build --release --quiet -p switchyard --bin switchyard \
-    -p switchyard-gateway --example overhead) || die "build failed"
+    -p switchyard-loadgen --example overhead) || die "build failed"
 SY=$ROOT/target/release/switchyard
 GEN=$ROOT/target/release/examples/overhead
 if [[ -n $BASELINE ]]; then

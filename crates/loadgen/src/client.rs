@@ -257,7 +257,7 @@ async fn exchange(
 }
 
 /// An error with its sources, `a: b: c`.
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {

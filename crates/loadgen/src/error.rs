@@ -39,6 +39,12 @@ pub enum LoadgenError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// The pacing timer could not be set up or armed.
+    #[error("pacing timer: {0}")]
+    Pacer(std::io::Error),
+    /// The fixed-rate mode's preflight request failed.
+    #[error("preflight request failed: {0}")]
+    Preflight(String),
     /// Serialising JSON output.
     #[error("json: {0}")]
     Json(#[from] serde_json::Error),

@@ -15,12 +15,17 @@
 //! - [`client`]: one streamed request over HTTP/1.1 and its measurements.
 //! - [`stats`]: histograms and counters of a run.
 //! - [`run`]: the open-loop dispatcher.
+//! - [`pace`]: precise absolute-deadline sleeps (timerfd or busy-poll) keeping a schedule.
+//! - [`fixed`]: one fixed request at a constant rate, latency to the complete body (the
+//!   gateway overhead benchmark's generator, `examples/overhead.rs`).
 //! - [`report`]: the run's summary as JSON and Markdown.
 
 #![warn(missing_docs)]
 
 pub mod client;
 pub mod error;
+pub mod fixed;
+pub mod pace;
 pub mod plan;
 pub mod report;
 pub mod run;
@@ -28,6 +33,8 @@ pub mod sse;
 pub mod stats;
 
 pub use error::{LoadgenError, Result};
+pub use fixed::{FixedOptions, FixedReport};
+pub use pace::{PaceMode, Pacer};
 pub use plan::{Api, Plan, PlanOptions, PlannedRequest};
 pub use report::{Report, Summary};
 pub use run::{discover_model, run, RunOptions};

@@ -7,6 +7,10 @@
 //! with it), which the report counts (`cap_waits`) along with every send that
 //! went out more than [`crate::stats::LATE_AFTER`] after its time.
 //!
+//! The schedule is kept by a [`Pacer`] (a timerfd: tokio's own timer has a
+//! 1 ms granularity, which would send the requests due within a millisecond
+//! in a burst).
+//!
 //! With several base URLs (no proxy in front of them), each request goes to
 //! one of them drawn uniformly by a random stream seeded from the run's seed,
 //! so the same seed sends the same requests to the same URLs.
@@ -26,6 +30,7 @@ use tokio::task::JoinSet;
 
 use crate::client::{http_client, send, BaseUrl};
 use crate::error::{LoadgenError, Result};
+use crate::pace::{PaceMode, Pacer};
 use crate::plan::{Plan, PlanOptions};
 use crate::report::{Report, Summary};
 use crate::stats::Stats;
@@ -145,6 +150,7 @@ pub async fn run(spec: &WorkloadSpec, seed: u64, options: &RunOptions) -> Result
     let stats = Arc::new(Mutex::new(Stats::default()));
     let in_flight = Arc::new(AtomicU64::new(0));
     let slots = Arc::new(Semaphore::new(options.max_concurrency));
+    let mut pacer = Pacer::new(PaceMode::Timer).map_err(LoadgenError::Pacer)?;
     let started_unix_s = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
@@ -154,7 +160,7 @@ pub async fn run(spec: &WorkloadSpec, seed: u64, options: &RunOptions) -> Result
     for p in plan {
         last_offset = last_offset.max(p.offset_s);
         let due = start + Duration::from_secs_f64(p.offset_s.max(0.0));
-        tokio::time::sleep_until(due.into()).await;
+        pacer.sleep_until(due).await.map_err(LoadgenError::Pacer)?;
         let (permit, waited) = match slots.clone().try_acquire_owned() {
             Ok(permit) => (permit, false),
             Err(_) => match slots.clone().acquire_owned().await {

@@ -1,7 +1,9 @@
 //! Histograms and counters of a run.
 //!
 //! Latencies are recorded in microseconds in HDR histograms (3 significant
-//! digits, 1 µs to one hour; larger values are clamped to the top).
+//! digits, 1 µs to one hour; larger values are clamped to the top). The
+//! fixed-rate mode, which measures a proxy's added microseconds, records in
+//! nanoseconds instead ([`FineHist`]: 100 ns to 120 s).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -61,6 +63,54 @@ impl LatencyHist {
             p999_ms: q(0.999),
             max_ms: ms(self.0.max()),
         })
+    }
+}
+
+/// Smallest latency a [`FineHist`] tells apart, in ns (shorter ones are recorded as it).
+const FINE_MIN_NS: u64 = 100;
+/// Largest latency a [`FineHist`] records, in ns (120 s; longer ones are clamped to it).
+const FINE_MAX_NS: u64 = 120_000_000_000;
+
+/// A latency histogram in nanoseconds (100 ns to 120 s, 3 significant digits).
+#[derive(Clone, Debug)]
+pub struct FineHist(Histogram<u64>);
+
+impl Default for FineHist {
+    fn default() -> Self {
+        // Fixed, valid bounds (1 ≤ low, high ≥ 2·low, 3 significant digits).
+        let h = Histogram::new_with_bounds(FINE_MIN_NS, FINE_MAX_NS, 3)
+            .expect("valid histogram bounds");
+        Self(h)
+    }
+}
+
+impl FineHist {
+    /// Records one duration.
+    pub fn record(&mut self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos())
+            .unwrap_or(FINE_MAX_NS)
+            .clamp(FINE_MIN_NS, FINE_MAX_NS);
+        self.0.saturating_record(ns);
+    }
+
+    /// Number of samples.
+    pub fn count(&self) -> u64 {
+        self.0.len()
+    }
+
+    /// The value at quantile `q` (0 to 1), in µs (0 without samples).
+    pub fn quantile_us(&self, q: f64) -> f64 {
+        self.0.value_at_quantile(q) as f64 / 1000.0
+    }
+
+    /// The largest sample, in µs (0 without samples).
+    pub fn max_us(&self) -> f64 {
+        self.0.max() as f64 / 1000.0
+    }
+
+    /// The mean, in µs (0 without samples).
+    pub fn mean_us(&self) -> f64 {
+        self.0.mean() / 1000.0
     }
 }
 
@@ -193,6 +243,28 @@ mod tests {
         h.record(Duration::from_secs(10_000));
         h.record(Duration::ZERO);
         assert_eq!(h.count(), 102);
+    }
+
+    #[test]
+    fn fine_quantiles_in_us() {
+        let mut h = FineHist::default();
+        assert_eq!((h.count(), h.quantile_us(0.5), h.max_us()), (0, 0.0, 0.0));
+        for us in 1..=100u64 {
+            h.record(Duration::from_nanos(us * 1000 + 400));
+        }
+        // Sub-microsecond resolution (3 significant digits).
+        assert!(
+            (h.quantile_us(0.5) - 50.4).abs() < 0.11,
+            "{}",
+            h.quantile_us(0.5)
+        );
+        assert!((h.max_us() - 100.4).abs() < 0.11, "{}", h.max_us());
+        assert!((h.mean_us() - 50.9).abs() < 0.11, "{}", h.mean_us());
+        // Out of range values are clamped, not lost.
+        h.record(Duration::from_secs(1000));
+        h.record(Duration::ZERO);
+        assert_eq!(h.count(), 102);
+        assert!((h.max_us() - 120e6).abs() < 120e3, "{}", h.max_us());
     }
 
     #[test]
