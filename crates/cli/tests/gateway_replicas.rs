@@ -184,6 +184,11 @@ async fn replicas_found_by_dns_continue_each_others_conversations() {
             peer_urls(&c, gw).await
         );
     }
+    // The lookups and what they found are counted.
+    let m = get_with(&c, &a.url("/metrics"), &[]).await.text;
+    let lookups = metric_sum(&m, "switchyard_peer_dns_lookups_total", &["result=\"ok\""]);
+    assert!(lookups >= 1.0, "{m}");
+    assert_eq!(metric_sum(&m, "switchyard_peer_dns_peers", &[]), 1.0, "{m}");
     // Conversations started on A continue on B on the engine A picked, with the first turn
     // cached (two idle engines: all three right by chance one time in eight).
     for conversation in 0..3 {

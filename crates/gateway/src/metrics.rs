@@ -126,6 +126,10 @@ pub struct Metrics {
     reloads: Family<ResultLabel, Counter>,
     /// Replica-sync messages by result (`--peer`).
     peer_messages: Family<ResultLabel, Counter>,
+    /// `--peer-dns` lookups by result (`ok`, `failed`).
+    peer_dns_lookups: Family<ResultLabel, Counter>,
+    /// Replicas the last successful `--peer-dns` lookup found (this one left out).
+    pub peer_dns_peers: Gauge,
     /// Failed Kubernetes discovery calls (list, watch): one per failure, whatever the cause.
     pub discovery_errors: Counter,
     /// Unix time of the last successful Kubernetes discovery call (0: never).
@@ -420,6 +424,18 @@ impl Metrics {
             "Replica-sync messages (--peer) by result: sent, dropped (a peer's queue full or its batch failed), applied and ignored (received)",
             peer_messages.clone(),
         );
+        let peer_dns_lookups = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "switchyard_peer_dns_lookups",
+            "--peer-dns lookups by result: ok, failed (the last peers are kept)",
+            peer_dns_lookups.clone(),
+        );
+        let peer_dns_peers = Gauge::default();
+        registry.register(
+            "switchyard_peer_dns_peers",
+            "Replicas the last successful --peer-dns lookup found, this one left out",
+            peer_dns_peers.clone(),
+        );
         let reloads = Family::<ResultLabel, Counter>::default();
         registry.register(
             "switchyard_fleet_reloads",
@@ -485,6 +501,8 @@ impl Metrics {
             kv_events,
             reloads,
             peer_messages,
+            peer_dns_lookups,
+            peer_dns_peers,
             discovery_errors,
             discovery_last_sync,
             discovery_endpoints,
@@ -692,6 +710,14 @@ impl Metrics {
         self.peer_messages
             .get_or_create(&ResultLabel { result })
             .inc_by(n);
+    }
+
+    /// Counts a `--peer-dns` lookup.
+    pub fn peer_dns_lookup(&self, ok: bool) {
+        let result = if ok { "ok" } else { "failed" };
+        self.peer_dns_lookups
+            .get_or_create(&ResultLabel { result })
+            .inc();
     }
 
     /// Counts a fleet file reload.

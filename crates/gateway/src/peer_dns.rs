@@ -198,7 +198,9 @@ async fn follow(gw: Arc<Gateway>, dns: PeerDns, me: SelfAddrs) {
         if gw.is_shutting_down() {
             return;
         }
-        let step = follower.step(resolve(&dns).await, &me, is_local_ip);
+        let resolved = resolve(&dns).await;
+        gw.metrics.peer_dns_lookup(resolved.is_ok());
+        let step = follower.step(resolved, &me, is_local_ip);
         match step.transition {
             Some(Transition::Failing(e)) => tracing::warn!(
                 name = %name,
@@ -211,6 +213,9 @@ async fn follow(gw: Arc<Gateway>, dns: PeerDns, me: SelfAddrs) {
         }
         if let Some(found) = step.changed {
             tracing::info!(name = %name, peers = ?found, "--peer-dns: peers changed");
+            gw.metrics
+                .peer_dns_peers
+                .set(i64::try_from(found.len()).unwrap_or(i64::MAX));
             let urls: Vec<Uri> = found.iter().filter_map(|u| u.parse().ok()).collect();
             crate::peer_sync::set_peers(&gw, &urls);
         }
