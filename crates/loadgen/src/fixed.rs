@@ -37,7 +37,7 @@ use tokio::task::JoinSet;
 use crate::client::{error_chain, http_client, BaseUrl, HttpClient};
 use crate::error::{LoadgenError, Result};
 use crate::pace::{PaceMode, Pacer, STALL};
-use crate::stats::FineHist;
+use crate::stats::LatencyHist;
 
 /// Lead time before the first send, so it is not late by the set-up.
 const LEAD: Duration = Duration::from_millis(20);
@@ -211,11 +211,11 @@ pub struct FixedReport {
     /// Successful requests per second of `window_s`.
     pub achieved: f64,
     /// Scheduled time to complete answer.
-    pub from_schedule: FineHist,
+    pub from_schedule: LatencyHist,
     /// Handed to the client to complete answer.
-    pub from_send: FineHist,
+    pub from_send: LatencyHist,
     /// Handed to the client minus scheduled time: the generator's own lateness.
-    pub lag: FineHist,
+    pub lag: LatencyHist,
     /// Core stalls while spinning (see [`Pacer::stalls`]).
     pub stalls: u64,
     /// Their total length.
@@ -355,15 +355,28 @@ impl FixedReport {
 }
 
 /// What the measured requests recorded.
-#[derive(Default)]
 struct Measured {
-    from_schedule: FineHist,
-    from_send: FineHist,
-    lag: FineHist,
+    from_schedule: LatencyHist,
+    from_send: LatencyHist,
+    lag: LatencyHist,
     ok: u64,
     errors: u64,
     first_error: Option<String>,
     last_done: Option<Instant>,
+}
+
+impl Default for Measured {
+    fn default() -> Self {
+        Self {
+            from_schedule: LatencyHist::fine(),
+            from_send: LatencyHist::fine(),
+            lag: LatencyHist::fine(),
+            ok: 0,
+            errors: 0,
+            first_error: None,
+            last_done: None,
+        }
+    }
 }
 
 /// One request, to the end of its body: the body of a 2xx answer.

@@ -3,7 +3,7 @@
 //! Latencies are recorded in microseconds in HDR histograms (3 significant
 //! digits, 1 µs to one hour; larger values are clamped to the top). The
 //! fixed-rate mode, which measures a proxy's added microseconds, records in
-//! nanoseconds instead ([`FineHist`]: 100 ns to 120 s).
+//! nanoseconds instead ([`LatencyHist::fine`]: 100 ns to 120 s).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -20,97 +20,96 @@ const EXAMPLES: usize = 5;
 /// A send later than this after its scheduled time counts as late.
 pub const LATE_AFTER: Duration = Duration::from_millis(10);
 
-/// A latency histogram in microseconds.
+/// A latency histogram (3 significant digits) recording in a unit between bounds: microseconds
+/// from 1 µs to one hour by default, nanoseconds from 100 ns to 120 s with [`LatencyHist::fine`].
+/// Values outside the bounds are clamped to them.
 #[derive(Clone, Debug)]
-pub struct LatencyHist(Histogram<u64>);
+pub struct LatencyHist {
+    h: Histogram<u64>,
+    /// Nanoseconds per recorded unit.
+    unit_ns: u64,
+    /// Smallest and largest value recorded, in units.
+    bounds: (u64, u64),
+}
 
 impl Default for LatencyHist {
     fn default() -> Self {
-        // Fixed, valid bounds (1 ≤ low, high ≥ 2·low, 3 significant digits).
-        let h = Histogram::new_with_bounds(1, MAX_US, 3).expect("valid histogram bounds");
-        Self(h)
+        Self::new(1000, 1, MAX_US)
     }
 }
 
+/// Smallest latency a [`LatencyHist::fine`] tells apart, in ns (shorter ones are recorded as it).
+const FINE_MIN_NS: u64 = 100;
+/// Largest latency a [`LatencyHist::fine`] records, in ns (120 s; longer ones are clamped to it).
+const FINE_MAX_NS: u64 = 120_000_000_000;
+
 impl LatencyHist {
+    fn new(unit_ns: u64, low: u64, high: u64) -> Self {
+        // Fixed, valid bounds (1 ≤ low, high ≥ 2·low, 3 significant digits).
+        let h = Histogram::new_with_bounds(low, high, 3).expect("valid histogram bounds");
+        Self {
+            h,
+            unit_ns,
+            bounds: (low, high),
+        }
+    }
+
+    /// In nanoseconds from 100 ns to 120 s: for the fixed-rate mode, which measures a proxy's
+    /// added microseconds.
+    pub fn fine() -> Self {
+        Self::new(1, FINE_MIN_NS, FINE_MAX_NS)
+    }
+
     /// Records one duration.
     pub fn record(&mut self, d: Duration) {
-        let us = u64::try_from(d.as_micros())
-            .unwrap_or(MAX_US)
-            .clamp(1, MAX_US);
-        self.0.saturating_record(us);
+        let (low, high) = self.bounds;
+        let units = u64::try_from(d.as_nanos() / u128::from(self.unit_ns))
+            .unwrap_or(high)
+            .clamp(low, high);
+        self.h.saturating_record(units);
     }
 
     /// Number of samples.
     pub fn count(&self) -> u64 {
-        self.0.len()
+        self.h.len()
+    }
+
+    fn us(&self, units: f64) -> f64 {
+        units * self.unit_ns as f64 / 1000.0
+    }
+
+    /// The value at quantile `q` (0 to 1), in µs (0 without samples).
+    pub fn quantile_us(&self, q: f64) -> f64 {
+        self.us(self.h.value_at_quantile(q) as f64)
+    }
+
+    /// The largest sample, in µs (0 without samples).
+    pub fn max_us(&self) -> f64 {
+        self.us(self.h.max() as f64)
+    }
+
+    /// The mean, in µs (0 without samples).
+    pub fn mean_us(&self) -> f64 {
+        self.us(self.h.mean())
     }
 
     /// The summary in milliseconds, or `None` without samples.
     pub fn summary(&self) -> Option<Latency> {
-        if self.0.is_empty() {
+        if self.h.is_empty() {
             return None;
         }
-        let ms = |us: u64| us as f64 / 1000.0;
-        let q = |p: f64| ms(self.0.value_at_quantile(p));
+        let ms = |us: f64| us / 1000.0;
+        let q = |p: f64| ms(self.quantile_us(p));
         Some(Latency {
-            count: self.0.len(),
-            mean_ms: self.0.mean() / 1000.0,
+            count: self.h.len(),
+            mean_ms: ms(self.mean_us()),
             p50_ms: q(0.5),
             p90_ms: q(0.9),
             p95_ms: q(0.95),
             p99_ms: q(0.99),
             p999_ms: q(0.999),
-            max_ms: ms(self.0.max()),
+            max_ms: ms(self.max_us()),
         })
-    }
-}
-
-/// Smallest latency a [`FineHist`] tells apart, in ns (shorter ones are recorded as it).
-const FINE_MIN_NS: u64 = 100;
-/// Largest latency a [`FineHist`] records, in ns (120 s; longer ones are clamped to it).
-const FINE_MAX_NS: u64 = 120_000_000_000;
-
-/// A latency histogram in nanoseconds (100 ns to 120 s, 3 significant digits).
-#[derive(Clone, Debug)]
-pub struct FineHist(Histogram<u64>);
-
-impl Default for FineHist {
-    fn default() -> Self {
-        // Fixed, valid bounds (1 ≤ low, high ≥ 2·low, 3 significant digits).
-        let h = Histogram::new_with_bounds(FINE_MIN_NS, FINE_MAX_NS, 3)
-            .expect("valid histogram bounds");
-        Self(h)
-    }
-}
-
-impl FineHist {
-    /// Records one duration.
-    pub fn record(&mut self, d: Duration) {
-        let ns = u64::try_from(d.as_nanos())
-            .unwrap_or(FINE_MAX_NS)
-            .clamp(FINE_MIN_NS, FINE_MAX_NS);
-        self.0.saturating_record(ns);
-    }
-
-    /// Number of samples.
-    pub fn count(&self) -> u64 {
-        self.0.len()
-    }
-
-    /// The value at quantile `q` (0 to 1), in µs (0 without samples).
-    pub fn quantile_us(&self, q: f64) -> f64 {
-        self.0.value_at_quantile(q) as f64 / 1000.0
-    }
-
-    /// The largest sample, in µs (0 without samples).
-    pub fn max_us(&self) -> f64 {
-        self.0.max() as f64 / 1000.0
-    }
-
-    /// The mean, in µs (0 without samples).
-    pub fn mean_us(&self) -> f64 {
-        self.0.mean() / 1000.0
     }
 }
 
@@ -247,7 +246,7 @@ mod tests {
 
     #[test]
     fn fine_quantiles_in_us() {
-        let mut h = FineHist::default();
+        let mut h = LatencyHist::fine();
         assert_eq!((h.count(), h.quantile_us(0.5), h.max_us()), (0, 0.0, 0.0));
         for us in 1..=100u64 {
             h.record(Duration::from_nanos(us * 1000 + 400));
