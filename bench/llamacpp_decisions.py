@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.parse
 
-# Tokens per trace block in bench/llamacpp_workload.py's default (`--block-tokens`).
+# Tokens per trace block (bench/llamacpp_workload.py's `--block-tokens`; `--block-tokens` here).
 BLOCK_TOKENS = 16
 
 
@@ -117,6 +117,7 @@ def report(requests, out):
 
 
 def main(argv=None):
+    global BLOCK_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workload")
     ap.add_argument("url", help="the router, or with --analyse: unused (write -)")
@@ -124,7 +125,10 @@ def main(argv=None):
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--analyse", action="store_true",
                     help="only analyse OUT, written by an earlier run, against WORKLOAD")
+    ap.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS,
+                    help="tokens per trace block the workload was written with (16)")
     args = ap.parse_args(argv)
+    BLOCK_TOKENS = args.block_tokens
     with open(args.workload) as f:
         requests = [json.loads(line) for line in f if line.strip()]
     if args.analyse:

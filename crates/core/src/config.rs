@@ -119,6 +119,9 @@ pub struct EstimateConfig {
     pub metrics_stale_after_s: f64,
     /// Work in tokens below which a TTFT sample says too little about speed to learn from.
     pub min_sample_tokens: u64,
+    /// Time window over which an instance's share of time with every sequence slot taken is
+    /// averaged, in seconds.
+    pub slot_pressure_window_s: f64,
 }
 
 impl Default for EstimateConfig {
@@ -131,6 +134,7 @@ impl Default for EstimateConfig {
             ttft_overhead_s: 0.01,
             metrics_stale_after_s: 5.0,
             min_sample_tokens: 512,
+            slot_pressure_window_s: 30.0,
         }
     }
 }
@@ -448,6 +452,11 @@ impl RouterConfig {
         check(
             finite_pos(e.service_time_s),
             "estimates.service_time_s",
+            "must be > 0",
+        )?;
+        check(
+            finite_pos(e.slot_pressure_window_s),
+            "estimates.slot_pressure_window_s",
             "must be > 0",
         )?;
         check(

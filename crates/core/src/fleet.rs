@@ -167,6 +167,36 @@ pub struct Learned {
     /// Sequences the engine runs at once, learned: the largest batch it reported while requests
     /// waited beside it for no other reason (llama.cpp's slots, vLLM's `max_num_seqs`).
     pub max_running: Option<u32>,
+    /// How often every sequence slot is taken (a newcomer would wait for one).
+    pub slot_pressure: SlotPressure,
+}
+
+/// The share of recent time an instance had every sequence slot taken. Prefill work added there
+/// holds a slot longer, and each request waiting for one inherits the delay: at share `p` about
+/// `p / (1 - p)` of them in a row (a geometric chain), so the share prices extra prefill work
+/// beyond the request's own wait.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct SlotPressure {
+    /// Time-weighted share of the last window with every slot taken (0..=1).
+    pub share: f64,
+    /// When `full` was last updated (router clock, s).
+    #[serde(skip)]
+    at: f64,
+    /// Whether every slot was taken at `at`.
+    #[serde(skip)]
+    full: bool,
+}
+
+impl SlotPressure {
+    /// Accounts the time since the last update in the state then, and records the state now.
+    pub fn advance(&mut self, now: f64, full: bool, window_s: f64) {
+        let dt = (now - self.at).max(0.0);
+        let keep = (-dt / window_s.max(f64::MIN_POSITIVE)).exp();
+        let then = if self.full { 1.0 } else { 0.0 };
+        self.share = self.share * keep + then * (1.0 - keep);
+        self.at = self.at.max(now);
+        self.full = full;
+    }
 }
 
 /// Adapters believed resident on the accelerator, most recently used first.
@@ -517,7 +547,25 @@ mod tests {
             view_samples: 0,
             speed_samples: 0,
             max_running: None,
+            slot_pressure: SlotPressure::default(),
         }
+    }
+
+    #[test]
+    fn slot_pressure_is_the_time_share_with_every_slot_taken() {
+        let mut p = SlotPressure::default();
+        // Full for 1 s, free for 1 s, over many windows: half the time.
+        for k in 0..200 {
+            p.advance(f64::from(k), k % 2 == 0, 30.0);
+        }
+        assert!((p.share - 0.5).abs() < 0.02, "{}", p.share);
+        // Free for a whole window: most of it is forgotten; an update from the past changes
+        // nothing (clocks of two drivers).
+        p.advance(230.0, false, 30.0);
+        let free = p.share;
+        assert!(free < 0.5 * (-1.0f64).exp() + 0.01, "{free}");
+        p.advance(100.0, true, 30.0);
+        assert_eq!(p.share, free);
     }
 
     #[test]

@@ -103,6 +103,7 @@ mod tests {
             view_samples: 0,
             speed_samples: 0,
             max_running: None,
+            slot_pressure: Default::default(),
         }
     }
 

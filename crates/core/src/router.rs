@@ -321,6 +321,7 @@ impl Router {
             view_samples: 0,
             speed_samples: 0,
             max_running: None,
+            slot_pressure: Default::default(),
         }
     }
 
@@ -693,7 +694,14 @@ impl Router {
 
     /// Moves an instance on the load ladder after its load, health or speed changed.
     fn relevel(&mut self, id: InstanceId, now: f64) {
-        if let Some(instance) = self.fleet.get(id) {
+        let e = &self.config.estimates;
+        if let Some(instance) = self.fleet.get_mut(id) {
+            let view = instance.load_view(now, e.metrics_stale_after_s);
+            let full = instance
+                .max_running()
+                .is_some_and(|max| max > 0 && view.in_system >= max);
+            let window_s = e.slot_pressure_window_s;
+            instance.learned.slot_pressure.advance(now, full, window_s);
             let wait_s = crate::policy::cost::typical_wait_s(&self.config, instance, now);
             self.ladder.update(instance, wait_s);
         }

@@ -1317,3 +1317,62 @@ fn cost_prices_the_cache_room_a_second_copy_takes_by_the_hit_share_learned() {
         other.terms.cache_room_s
     );
 }
+
+#[test]
+fn cost_prices_extra_prefill_by_how_often_every_slot_was_taken() {
+    let (mut router, ids) = router("cost", 3);
+    // Every engine declares two sequence slots (llama.cpp's `/props`).
+    for &id in &ids {
+        let m = EngineMetrics {
+            max_running: Some(2),
+            ..Default::default()
+        };
+        router
+            .observe(Observation::MetricsScraped(id, m), 0.0)
+            .unwrap();
+    }
+    let doc = |n: u64| prompt("a long shared manual about pumps. ", 4000, n);
+    // Instance 0 holds the manual; instance 1 had both slots taken for 30 s; instance 2 never.
+    send_to(
+        &mut router,
+        1,
+        &RouteRequest::text("m", &doc(1)),
+        ids[0],
+        0.0,
+    );
+    finish(&mut router, 1, 0.5);
+    for id in [2, 3] {
+        let text = prompt("a tenant's own prompt. ", 500, id);
+        send_to(
+            &mut router,
+            id,
+            &RouteRequest::text("m", &text),
+            ids[1],
+            1.0,
+        );
+    }
+    finish(&mut router, 2, 31.0);
+    finish(&mut router, 3, 31.0);
+    let pressure = |i: usize| router.learned(ids[i]).unwrap().slot_pressure.share;
+    let (p0, p1, p2) = (pressure(0), pressure(1), pressure(2));
+    assert!(p1 > 0.5, "full for 30 s of the last 31: {p1}");
+    assert!(p0 < 0.05 && p2 == 0.0, "{p0} {p2}");
+    let decision = router
+        .route(&RouteRequest::text("m", &doc(2)), 31.5)
+        .unwrap();
+    let c = |i: usize| *decision.candidate(ids[i]).unwrap();
+    let (holder, pressed, free) = (c(0), c(1), c(2));
+    // Both others prefill what the holder has cached; where slots are often all taken, that
+    // extra work delays the requests that queue for them, about p / (1 - p) of them.
+    let extra_s = pressed.terms.prefill_s - holder.terms.prefill_s;
+    assert!(extra_s > 0.05, "{}", decision.explain(3));
+    let p = router.learned(ids[1]).unwrap().slot_pressure.share;
+    let charged = pressed.terms.decode_penalty_s - free.terms.decode_penalty_s;
+    assert!(
+        (charged - extra_s * p / (1.0 - p)).abs() < 1e-3,
+        "{charged} vs {}: {}",
+        extra_s * p / (1.0 - p),
+        decision.explain(3)
+    );
+    assert!(pressed.score > free.score, "{}", decision.explain(3));
+}

@@ -233,6 +233,21 @@ pub fn workloads(scale: f64) -> Vec<SuiteWorkload> {
             policies: policies(true),
         },
         SuiteWorkload {
+            name: "few-slots",
+            about: "the mooncake workload on engines of 4 sequence slots (llama.cpp-like): \
+                    requests queue for a slot, not for prefill",
+            spec: trace(2000),
+            fleet: vec![InstanceGroup {
+                count: 8,
+                engine: switchyard_engine::EngineConfig {
+                    max_num_seqs: 4,
+                    ..default_engine()
+                },
+            }],
+            guess_rate: 6.0,
+            policies: policies(false),
+        },
+        SuiteWorkload {
             name: "pd",
             about: "disaggregated 4 prefill + 4 decode: the mooncake workload",
             spec: trace(2000),

@@ -5,7 +5,7 @@ use switchyard_sim::suite::{run_suite, workload_names, SuiteOptions};
 #[test]
 fn a_tiny_suite_has_every_row_and_finite_ratios() {
     let names = workload_names();
-    assert_eq!(names.len(), 8);
+    assert_eq!(names.len(), 9);
     let options = SuiteOptions {
         seeds: vec![1, 2],
         scale: 0.005,
@@ -66,7 +66,7 @@ fn a_tiny_suite_has_every_row_and_finite_ratios() {
     results.write(&dir).unwrap();
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
-    assert_eq!(json["lines"].as_array().unwrap().len(), 16);
+    assert_eq!(json["lines"].as_array().unwrap().len(), 2 * names.len());
     assert!(std::fs::read_to_string(dir.join("suite.md"))
         .unwrap()
         .contains("## Every run"));

@@ -61,7 +61,11 @@ fn wait_and_interference_s(
     } else {
         cost.decode_interference_weight
     };
+    // Prefill beyond the cheapest candidate's also holds a slot longer: where every slot is
+    // often taken, the requests that queue for this one inherit the delay, one after another.
+    let p = instance.learned.slot_pressure.share.clamp(0.0, 0.9);
     let interference = weight * f64::from(view.running) * avoidable_s
+        + avoidable_s * p / (1.0 - p)
         + cost.queue_interference_weight * backlog * prefill_s;
     (wait_s, interference)
 }

@@ -139,6 +139,7 @@ mod tests {
             view_samples: 0,
             speed_samples: 0,
             max_running: None,
+            slot_pressure: Default::default(),
         };
         let id = fleet.add(spec, learned).unwrap();
         let mut i = fleet.remove(id).unwrap();
