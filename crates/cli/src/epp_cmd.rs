@@ -185,7 +185,7 @@ pub fn settings(args: &EppArgs) -> Result<EppSettings> {
 pub fn run(args: EppArgs) -> Result<()> {
     let settings = settings(&args)?;
     let runtime = args.fleet.runtime()?;
-    runtime.block_on(async move {
+    crate::fleet_args::serve_on(runtime, async move {
         let signal = switchyard_emulator::shutdown_signal()?;
         let epp = switchyard_epp::start(settings).await?;
         let mut out = std::io::stdout().lock();

@@ -139,6 +139,21 @@ pub struct FleetArgs {
     pub worker_threads: Option<u16>,
 }
 
+/// How long a stopping server waits for work on tokio's blocking pool.
+const BLOCKING_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Runs `main` on `runtime`, then stops the runtime without waiting long for blocking work: a
+/// DNS lookup (`--peer-dns` asks the system resolver on tokio's blocking pool) cannot be
+/// cancelled, and dropping the runtime would hold the exit for as long as the resolver retries.
+pub fn serve_on<T>(
+    runtime: tokio::runtime::Runtime,
+    main: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    let result = runtime.block_on(main);
+    runtime.shutdown_timeout(BLOCKING_GRACE);
+    result
+}
+
 impl FleetArgs {
     /// The runtime that serves: `--worker-threads 1` gets tokio's single-threaded scheduler
     /// (everything on the one thread, with none of the multi-threaded one's bookkeeping: it read

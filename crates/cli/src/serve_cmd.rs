@@ -234,7 +234,7 @@ pub fn settings(args: &ServeArgs) -> Result<Settings> {
 pub fn run(args: ServeArgs) -> Result<()> {
     let settings = settings(&args)?;
     let runtime = args.fleet.runtime()?;
-    runtime.block_on(async move {
+    crate::fleet_args::serve_on(runtime, async move {
         // Handlers first, so a signal right after the address line is not lost.
         let signal = switchyard_emulator::shutdown_signal()?;
         let gateway = switchyard_gateway::start(settings).await?;

@@ -368,3 +368,51 @@ async fn peer_sync_is_refused_without_the_token_or_the_flag() {
     ]);
     assert!(err.contains("port is missing"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_that_does_not_resolve_leaves_the_replica_serving_and_stopping_cleanly() {
+    // `.invalid` never resolves (RFC 6761): every lookup fails.
+    let engines = [engine_on(0, &[])];
+    let backends: Vec<String> = engines.iter().map(backend).collect();
+    let mut args = vec![
+        "--peer-dns",
+        "replicas.switchyard.invalid:8080",
+        "--peer-dns-interval",
+        "0.05",
+        "--admin-token",
+        TOKEN,
+    ];
+    for b in &backends {
+        args.extend(["--backend", b.as_str()]);
+    }
+    let mut gw = gateway(&args);
+    let c = client();
+    // Lookups fail, are counted, and keep failing; no peer is found.
+    let failed = poll(Duration::from_secs(10), || async {
+        let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+        let n = metric_sum(
+            &m,
+            "switchyard_peer_dns_lookups_total",
+            &["result=\"failed\""],
+        );
+        (n >= 3.0).then_some(m)
+    })
+    .await
+    .expect("failed lookups counted");
+    assert_eq!(
+        metric_sum(
+            &failed,
+            "switchyard_peer_dns_lookups_total",
+            &["result=\"ok\""]
+        ),
+        0.0
+    );
+    assert_eq!(metric_sum(&failed, "switchyard_peer_dns_peers", &[]), 0.0);
+    assert!(peer_urls(&c, &gw).await.is_empty());
+    // The replica serves on its own meanwhile.
+    let reply = post(&c, &gw.url("/v1/chat/completions"), &chat("hello", 4)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    // SIGTERM while lookups go on every 50 ms: it stops promptly and cleanly.
+    gw.terminate();
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)), Some(0));
+}
