@@ -253,3 +253,52 @@ impl FleetArgs {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use std::sync::mpsc;
+
+    /// The serve flags alone, to build the runtime `serve` and `epp` get.
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        fleet: FleetArgs,
+    }
+
+    /// A hung system resolver cannot be arranged without changing the machine's DNS settings;
+    /// a job stuck on the blocking pool is what `lookup_host` is while the resolver retries.
+    #[test]
+    fn a_lookup_stuck_on_the_blocking_pool_does_not_hold_the_exit() {
+        // The single-threaded runtime (`--worker-threads 1`) and the multi-threaded one.
+        for threads in [&["--worker-threads", "1"][..], &[]] {
+            let argv = std::iter::once("switchyard").chain(threads.iter().copied());
+            let runtime = Flags::parse_from(argv).fleet.runtime().expect("runtime");
+            // Held until the end of the test: the job blocks until then.
+            let (release, stuck) = mpsc::channel::<()>();
+            let (done_tx, done) = mpsc::channel();
+            std::thread::spawn(move || {
+                let result = serve_on(runtime, async move {
+                    let (running_tx, running) = tokio::sync::oneshot::channel();
+                    // Detached, as the resolver's task is once the gateway aborts it.
+                    drop(tokio::task::spawn_blocking(move || {
+                        let _ = running_tx.send(());
+                        let _ = stuck.recv();
+                    }));
+                    running.await?;
+                    Ok(())
+                });
+                let _ = done_tx.send(result.is_ok());
+            });
+            // Well over BLOCKING_GRACE, well under forever.
+            let returned = done.recv_timeout(Duration::from_secs(10));
+            drop(release);
+            assert_eq!(
+                returned,
+                Ok(true),
+                "{threads:?}: serve_on waited on the job"
+            );
+        }
+    }
+}

@@ -13,6 +13,9 @@ use serde_json::json;
 
 const TOKEN: &str = "replica-token";
 
+/// `RUST_LOG` with the default filter and the `--peer-dns` resolver at debug.
+const DNS_DEBUG: &str = "warn,kube_client=off,switchyard_gateway::peer_dns=debug";
+
 fn replica(port: u16, peer: u16, backends: &[String]) -> Proc {
     replica_with(port, peer, backends, &[])
 }
@@ -385,7 +388,8 @@ async fn a_name_that_does_not_resolve_leaves_the_replica_serving_and_stopping_cl
     for b in &backends {
         args.extend(["--backend", b.as_str()]);
     }
-    let mut gw = gateway(&args);
+    // Debug on for the resolver alone, to see that the later failures go there.
+    let mut gw = gateway_logging(&args, &[("RUST_LOG", DNS_DEBUG)]);
     let c = client();
     // Lookups fail, are counted, and keep failing; no peer is found.
     let failed = poll(Duration::from_secs(10), || async {
@@ -412,7 +416,76 @@ async fn a_name_that_does_not_resolve_leaves_the_replica_serving_and_stopping_cl
     // The replica serves on its own meanwhile.
     let reply = post(&c, &gw.url("/v1/chat/completions"), &chat("hello", 4)).await;
     assert_eq!(reply.status, 200, "{}", reply.text);
+    // One warning however many lookups fail; the later failures at debug (the log lags the
+    // counter by a moment, hence the poll).
+    let later = poll(Duration::from_secs(10), || async {
+        let n = gw
+            .log()
+            .iter()
+            .filter(|l| l.contains("DEBUG") && l.contains("--peer-dns: resolution still failing"))
+            .count();
+        (n >= 2).then_some(n)
+    })
+    .await;
+    assert!(later.is_some(), "later failures at debug: {:#?}", gw.log());
+    let warned: Vec<String> = gw
+        .log()
+        .into_iter()
+        .filter(|l| l.contains("WARN") && l.contains("--peer-dns"))
+        .collect();
+    assert_eq!(warned.len(), 1, "{warned:#?}");
+    assert!(
+        warned[0].contains("resolution failing")
+            && warned[0].contains("replicas.switchyard.invalid:8080"),
+        "{warned:#?}"
+    );
     // SIGTERM while lookups go on every 50 ms: it stops promptly and cleanly.
     gw.terminate();
     assert_eq!(gw.wait_exit(Duration::from_secs(10)), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_back_to_back_peer_dns_lookups_exits_promptly_with_status_0() {
+    let engine = engine_on(0, &[]);
+    let backend = backend(&engine);
+    let c = client();
+    // A name that resolves (to a peer that is down, its sends failing meanwhile) and one that
+    // does not; on the single-threaded runtime (`--worker-threads 1`) and the multi-threaded
+    // one, which stop differently.
+    let resolving = format!("localhost:{}", closed_port());
+    for (name, threads) in [
+        (resolving.as_str(), "1"),
+        ("replicas.switchyard.invalid:8080", "2"),
+    ] {
+        let mut gw = gateway(&[
+            "--peer-dns",
+            name,
+            "--peer-dns-interval",
+            "0.01",
+            "--worker-threads",
+            threads,
+            "--admin-token",
+            TOKEN,
+            "--backend",
+            &backend,
+        ]);
+        // Lookups under way, and what they found in place, before the signal.
+        let found = poll(Duration::from_secs(10), || async {
+            let m = get_with(&c, &gw.url("/metrics"), &[]).await.text;
+            let lookups = metric_sum(&m, "switchyard_peer_dns_lookups_total", &[]);
+            let peers = metric_sum(&m, "switchyard_peer_dns_peers", &[]);
+            let want = if name == resolving { 1.0 } else { 0.0 };
+            (lookups >= 5.0 && peers == want).then_some(())
+        })
+        .await;
+        assert!(found.is_some(), "{name}: lookups did not run");
+        let reply = post(&c, &gw.url("/v1/chat/completions"), &chat("hello", 4)).await;
+        assert_eq!(reply.status, 200, "{name}: {}", reply.text);
+        gw.terminate();
+        assert_eq!(
+            gw.wait_exit(Duration::from_secs(10)),
+            Some(0),
+            "{name}, --worker-threads {threads}: no clean exit within 10 s of SIGTERM"
+        );
+    }
 }

@@ -8,8 +8,9 @@
 //! listens on every address (`0.0.0.0`, `::`), an address of this host (one a socket can bind
 //! to, [`is_local_ip`]). The peers are `--peer`'s URLs plus those found, handed to replica sync
 //! ([`crate::peer_sync::set_peers`], as the picker's pod watch does) whenever the found set
-//! changes. A failed resolution keeps the last set; failing and recovering are logged once
-//! each, not at every attempt.
+//! changes. A failed resolution keeps the last set; failing (warn) and recovering (info) are
+//! logged once each, the failures in between at debug only: a warn line per interval would bury
+//! everything else in an operator's logs for as long as the name is down.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
@@ -200,16 +201,21 @@ async fn follow(gw: Arc<Gateway>, dns: PeerDns, me: SelfAddrs) {
         }
         let resolved = resolve(&dns).await;
         gw.metrics.peer_dns_lookup(resolved.is_ok());
+        // Kept for the debug line: the step takes the result, and reports only the first failure.
+        let error = resolved.as_ref().err().cloned();
         let step = follower.step(resolved, &me, is_local_ip);
-        match step.transition {
-            Some(Transition::Failing(e)) => tracing::warn!(
+        match (step.transition, error) {
+            (Some(Transition::Failing(e)), _) => tracing::warn!(
                 name = %name,
                 "--peer-dns: resolution failing, keeping the last peers until it works again: {e}"
             ),
-            Some(Transition::Recovered) => {
+            (Some(Transition::Recovered), _) => {
                 tracing::info!(name = %name, "--peer-dns: resolving again");
             }
-            None => {}
+            (None, Some(e)) => {
+                tracing::debug!(name = %name, "--peer-dns: resolution still failing: {e}");
+            }
+            (None, None) => {}
         }
         if let Some(found) = step.changed {
             tracing::info!(name = %name, peers = ?found, "--peer-dns: peers changed");

@@ -54,6 +54,16 @@ pub fn engine(extra: &[&str]) -> Proc {
 /// `switchyard serve --listen 127.0.0.1:0` with fast health checks and scrapes.
 /// Flags in `extra` replace these defaults.
 pub fn gateway(extra: &[&str]) -> Proc {
+    Proc::start(&gateway_args(extra))
+}
+
+/// The same, its log (stderr) kept ([`Proc::log`]), with extra environment (`RUST_LOG`).
+pub fn gateway_logging(extra: &[&str], env: &[(&str, &str)]) -> Proc {
+    Proc::start_logging(&gateway_args(extra), env)
+}
+
+/// The arguments [`gateway`] runs `switchyard` with.
+fn gateway_args(extra: &[&str]) -> Vec<String> {
     let mut args = strings(&["serve"]);
     for (flag, value) in [
         ("--listen", "127.0.0.1:0"),
@@ -66,7 +76,7 @@ pub fn gateway(extra: &[&str]) -> Proc {
         }
     }
     args.extend(strings(extra));
-    Proc::start(&args)
+    args
 }
 
 /// `switchyard epp` on 127.0.0.1 with ephemeral ports and fast health checks. Flags in

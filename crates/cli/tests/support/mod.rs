@@ -8,7 +8,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -23,6 +23,8 @@ pub struct Proc {
     /// The lines printed before it (other endpoints the process bound).
     pub before: Vec<String>,
     lines: mpsc::Receiver<String>,
+    /// Its stderr lines so far, when started with [`Proc::start_logging`] (else empty).
+    log: Arc<Mutex<Vec<String>>>,
 }
 
 impl Proc {
@@ -33,13 +35,38 @@ impl Proc {
 
     /// Same, with extra environment variables for the child only.
     pub fn start_with_env(args: &[String], env: &[(&str, &str)]) -> Proc {
+        Self::spawn(args, env, false)
+    }
+
+    /// Same, keeping its stderr (its log) for [`Proc::log`]; the lines are passed on to the
+    /// test's stderr too, so a failing test still shows them.
+    pub fn start_logging(args: &[String], env: &[(&str, &str)]) -> Proc {
+        Self::spawn(args, env, true)
+    }
+
+    fn spawn(args: &[String], env: &[(&str, &str)], capture: bool) -> Proc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
             .args(args)
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if capture {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
             .spawn()
             .expect("spawn switchyard");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        if let Some(stderr) = child.stderr.take() {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    eprintln!("{line}");
+                    log.lock().expect("log").push(line);
+                }
+            });
+        }
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = mpsc::channel::<String>();
         std::thread::spawn(move || {
@@ -66,6 +93,7 @@ impl Proc {
                             line: line.clone(),
                             before,
                             lines: rx,
+                            log,
                         };
                     }
                     before.push(line);
@@ -105,6 +133,11 @@ impl Proc {
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// The stderr lines so far (none unless started with [`Proc::start_logging`]).
+    pub fn log(&self) -> Vec<String> {
+        self.log.lock().expect("log").clone()
     }
 
     /// Sends SIGTERM.
