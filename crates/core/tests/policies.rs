@@ -1376,3 +1376,46 @@ fn cost_prices_extra_prefill_by_how_often_every_slot_was_taken() {
     );
     assert!(pressed.score > free.score, "{}", decision.explain(3));
 }
+
+#[test]
+fn cost_charges_no_prefill_backlog_where_the_queue_waits_for_a_slot() {
+    let (mut router, ids) = router("cost", 2);
+    // Instance 0 declares two sequence slots (llama.cpp's `/props`); instance 1 declares none.
+    let slots = EngineMetrics {
+        max_running: Some(2),
+        ..Default::default()
+    };
+    router
+        .observe(Observation::MetricsScraped(ids[0], slots), 0.0)
+        .unwrap();
+    // Each gets two running requests and two queued behind them.
+    let mut next = 1;
+    for &id in &ids {
+        for k in 0..4 {
+            let text = prompt("a tenant's own prompt. ", 400, next);
+            send_to(&mut router, next, &RouteRequest::text("m", &text), id, 0.0);
+            if k < 2 {
+                router
+                    .observe(Observation::FirstToken(RequestId(next)), 0.1)
+                    .unwrap();
+            }
+            next += 1;
+        }
+    }
+    let text = prompt("a new conversation. ", 400, next);
+    let decision = router.route(&RouteRequest::text("m", &text), 0.2).unwrap();
+    let (bound, open) = (
+        *decision.candidate(ids[0]).unwrap(),
+        *decision.candidate(ids[1]).unwrap(),
+    );
+    // Where the queue waits for the compute, the requests arriving behind this one wait for
+    // its prefill too; where it waits for a slot, it drains as sequences end: the wait for
+    // the slot is priced, not the prefill backlog.
+    assert!(open.terms.decode_penalty_s > 0.0, "{}", decision.explain(2));
+    assert_eq!(bound.terms.decode_penalty_s, 0.0, "{}", decision.explain(2));
+    assert!(
+        bound.terms.wait_s > open.terms.wait_s,
+        "{}",
+        decision.explain(2)
+    );
+}
