@@ -109,7 +109,7 @@ pub struct SimArgs {
     #[arg(long)]
     quiet: bool,
 
-    /// Run the workload suite instead: `cost` against the baselines on nine workloads, at
+    /// Run the workload suite instead: `cost` against the baselines on ten workloads, at
     /// round-robin's calibrated capacity and in overload, over --seeds; prints one table of
     /// ratios. The workload, fleet and router flags above are ignored, except --router-config.
     #[arg(long)]
@@ -121,7 +121,7 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 1.0)]
     suite_scale: f64,
     /// Suite: only these workloads (mooncake, zipf, prefill-heavy, decode-heavy, bursty,
-    /// long-tail, lora, few-slots, pd).
+    /// long-tail, lora, few-slots, kv-bound, pd).
     #[arg(long, value_delimiter = ',', value_name = "NAME[,NAME]")]
     suite_only: Vec<String>,
     /// Suite: overload is this many times the calibrated knee rate.

@@ -248,6 +248,37 @@ pub fn workloads(scale: f64) -> Vec<SuiteWorkload> {
             policies: policies(false),
         },
         SuiteWorkload {
+            name: "kv-bound",
+            about: "no reuse, KV-bound: log-normal prompts (median 200) and answers (median 400) \
+                    on 4 engines of 2,000 KV blocks: the KV cache runs out before compute",
+            spec: single_turns(
+                scaled(4000, scale),
+                35.0,
+                Count::LogNormal {
+                    median: 200,
+                    sigma: 1.0,
+                    min: 16,
+                    max: 4096,
+                },
+                Count::LogNormal {
+                    median: 400,
+                    sigma: 0.8,
+                    min: 16,
+                    max: 2048,
+                },
+            ),
+            fleet: vec![InstanceGroup {
+                count: 4,
+                engine: switchyard_engine::EngineConfig {
+                    num_gpu_blocks: 2000,
+                    max_model_len: 8192,
+                    ..default_engine()
+                },
+            }],
+            guess_rate: 35.0,
+            policies: policies(false),
+        },
+        SuiteWorkload {
             name: "pd",
             about: "disaggregated 4 prefill + 4 decode: the mooncake workload",
             spec: trace(2000),

@@ -5,7 +5,7 @@ use switchyard_sim::suite::{run_suite, workload_names, SuiteOptions};
 #[test]
 fn a_tiny_suite_has_every_row_and_finite_ratios() {
     let names = workload_names();
-    assert_eq!(names.len(), 9);
+    assert_eq!(names.len(), 10);
     let options = SuiteOptions {
         seeds: vec![1, 2],
         scale: 0.005,
