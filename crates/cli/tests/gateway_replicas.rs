@@ -129,22 +129,22 @@ async fn replicas_that_share_decisions_continue_each_others_conversations() {
             r.text().await
         }
     });
+    // Held for a peer, not merely in flight: A's own last turn may still be settling there.
     let counted = poll(Duration::from_secs(10), || async {
-        (in_flight(&c, &a).await >= 1).then_some(())
+        let fleet = get_with(
+            &c,
+            &a.url("/admin/fleet"),
+            &[("authorization", &format!("Bearer {TOKEN}"))],
+        )
+        .await
+        .json();
+        (fleet["peers"]["held_for_peers"].as_u64() >= Some(1)).then_some(fleet)
     })
     .await;
-    assert!(counted.is_some(), "A never counted B's request");
-    let fleet = get_with(
-        &c,
-        &a.url("/admin/fleet"),
-        &[("authorization", &format!("Bearer {TOKEN}"))],
-    )
-    .await
-    .json();
-    assert!(
-        fleet["peers"]["held_for_peers"].as_u64() >= Some(1),
-        "{fleet}"
-    );
+    let Some(fleet) = counted else {
+        panic!("A never counted B's request");
+    };
+    assert!(in_flight(&c, &a).await >= 1, "{fleet}");
     assert_eq!(
         fleet["peers"]["urls"][0]
             .as_str()
