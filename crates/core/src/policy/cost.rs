@@ -46,10 +46,7 @@ fn wait_and_interference_s(
     // the slot held longer (the slot-pressure charge below). Charging the whole prefill per
     // queued request there priced the wrong resource (few-slots overload ITL p99 1.21x the best
     // baseline's, long-tail overload TTFT p99 1.24x, where 256-slot engines fill up).
-    let slot_bound = instance
-        .max_running()
-        .is_some_and(|max| max > 0 && view.in_system >= max);
-    let backlog = if slot_bound {
+    let backlog = if full_slots(instance, view.in_system).is_some() {
         0.0
     } else {
         f64::from(
@@ -96,13 +93,18 @@ pub fn typical_wait_s(config: &RouterConfig, instance: &Instance, now: f64) -> f
 /// Waiting for a free sequence slot once `max_running` sequences are busy (configured, or
 /// learned from the engine's own reports of requests waiting beside a full batch).
 fn slot_wait_s(instance: &Instance, in_system: u32) -> f64 {
-    match instance.max_running() {
-        Some(max) if max > 0 && in_system >= max => {
-            let excess = f64::from(in_system + 1 - max);
-            excess * instance.learned.service_time_s / f64::from(max)
-        }
-        _ => 0.0,
-    }
+    full_slots(instance, in_system).map_or(0.0, |max| {
+        let excess = f64::from(in_system + 1 - max);
+        excess * instance.learned.service_time_s / f64::from(max)
+    })
+}
+
+/// The instance's sequence slots when `in_system` requests take all of them, so that a new
+/// request queues for one.
+fn full_slots(instance: &Instance, in_system: u32) -> Option<u32> {
+    instance
+        .max_running()
+        .filter(|&max| max > 0 && in_system >= max)
 }
 
 /// Preemption risk once the projected KV usage passes the high watermark.
