@@ -83,6 +83,10 @@ pub struct SimArgs {
     /// approximate index for that engine until it has run 5 s without one).
     #[arg(long)]
     kv_event_no_fallback: bool,
+    /// Tell the routers this `max_tokens` for every request while the engines generate the
+    /// workload's answer lengths (a client's generous limit; default: each answer's length).
+    #[arg(long, value_name = "TOKENS")]
+    client_max_tokens: Option<u32>,
     /// Tell the router each instance's prefill speed from its profile (instead of its prior).
     #[arg(long)]
     prior_from_profile: bool,
@@ -207,6 +211,7 @@ fn sim_config(args: &SimArgs) -> anyhow::Result<SimConfig> {
             fallback: !args.kv_event_no_fallback,
             ..KvEventsSim::default()
         }),
+        client_max_tokens: args.client_max_tokens,
     })
 }
 
@@ -250,6 +255,7 @@ fn run_suite(args: &SimArgs) -> anyhow::Result<()> {
         rates,
         jobs: args.suite_jobs.max(1),
         router: router_settings(args)?,
+        client_max_tokens: args.client_max_tokens,
     };
     let started = std::time::Instant::now();
     let results = switchyard_sim::suite::run_suite(&options, &|line| eprintln!("{line}"))?;

@@ -178,6 +178,8 @@ impl Decision {
             max_tokens: self.max_tokens,
             is_decode_only: self.decode.iter().any(|c| c.instance == instance)
                 && !self.candidates.iter().any(|c| c.instance == instance),
+            is_prefill_leg: self.is_disaggregated()
+                && self.candidates.iter().any(|c| c.instance == instance),
             // Only a policy that prices prefill in seconds (`cost`) makes a TTFT estimate.
             session: self.session,
             estimated_ttft_s: (terms.prefill_s > 0.0)
@@ -243,6 +245,8 @@ pub struct RoutePlan {
     pub(crate) max_tokens: u32,
     /// Sent as the decode half of a disaggregated request (no prefill work there).
     pub(crate) is_decode_only: bool,
+    /// Sent as the prefill half of a disaggregated request (its engine generates one token).
+    pub(crate) is_prefill_leg: bool,
     /// Seconds to the first token the decision expected there (wait + prefill + adapter +
     /// transfer), when the policy makes such an estimate.
     pub(crate) estimated_ttft_s: Option<f64>,
@@ -271,6 +275,7 @@ impl RoutePlan {
             adapter: None,
             max_tokens: 0,
             is_decode_only: false,
+            is_prefill_leg: false,
             estimated_ttft_s: None,
             session: None,
             policy: "",

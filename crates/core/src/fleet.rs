@@ -124,11 +124,19 @@ pub struct RouterLoad {
     pub pending_tokens: u64,
     /// Requests past their first token and not finished (decoding).
     pub running_requests: u32,
-    /// Prompt plus expected output tokens of every in-flight request: the KV they occupy.
-    pub kv_tokens: u64,
+    /// Prompt tokens of every in-flight request ...
+    pub kv_prompt_tokens: u64,
+    /// ... and their `max_tokens`: with the share of it answers use, the KV they will occupy.
+    pub kv_output_budget: u64,
 }
 
 impl RouterLoad {
+    /// The KV the in-flight requests will occupy when answers use `output_share` of their
+    /// `max_tokens` ([`crate::Router::output_share`]).
+    pub fn kv_tokens(&self, output_share: f64) -> u64 {
+        self.kv_prompt_tokens + (self.kv_output_budget as f64 * output_share).round() as u64
+    }
+
     /// Every request in flight on the instance.
     pub fn in_flight(&self) -> u32 {
         self.pending_requests + self.running_requests
@@ -621,7 +629,8 @@ mod tests {
             pending_requests: 3,
             pending_tokens: 300,
             running_requests: 1,
-            kv_tokens: 0,
+            kv_prompt_tokens: 0,
+            kv_output_budget: 0,
         };
         i.load_at_scrape = i.load.clone();
         let metrics = |waiting, running| EngineMetrics {

@@ -102,7 +102,12 @@ struct InFlight {
     first_token_at: Option<f64>,
     prompt_bytes: usize,
     uncached_tokens: u32,
-    kv_tokens: u64,
+    /// Its prompt tokens and output budget, as added to the instance's KV reservation.
+    kv_prompt_tokens: u64,
+    kv_output_budget: u64,
+    /// The `max_tokens` its answer is measured against (`None`: a prefill leg, whose engine
+    /// generates one token whatever the request asked, or a leg the router did not plan).
+    output_budget: Option<u32>,
     /// Prefill work (tokens) ahead of and including this request when it was routed.
     work_tokens: u64,
     /// Whether its TTFT measures a prefill here (not for the decode leg of a hand-off).
@@ -139,6 +144,10 @@ pub struct Router {
     /// Moving sums of prompt bytes and reported prompt tokens: their ratio is `bytes_per_token`.
     prompt_bytes_seen: f64,
     prompt_tokens_seen: f64,
+    /// Moving sums of generated tokens and of the `max_tokens` the same requests were told:
+    /// their ratio turns a request's `max_tokens` into the answer it will probably produce.
+    output_tokens_seen: f64,
+    output_budget_seen: f64,
     observations_since_sweep: u32,
     matches: Vec<BlockMatch>,
     depth_by_slot: Vec<u32>,
@@ -228,6 +237,9 @@ impl Router {
             // The prior weighs as one token: the first real reports replace it.
             prompt_bytes_seen: config.estimates.bytes_per_token,
             prompt_tokens_seen: 1.0,
+            // Equal priors: until answers are measured a request is expected to use its budget.
+            output_tokens_seen: 1.0,
+            output_budget_seen: 1.0,
             config,
             fleet: Fleet::default(),
             index: PrefixIndex::new(),
@@ -548,6 +560,7 @@ impl Router {
             config: &self.config,
             prompt_tokens,
             bytes_per_token: self.bytes_per_token,
+            output_share: self.output_share(),
             stage,
             pool_speed: self.pool_speed(request.model),
         };
@@ -628,6 +641,14 @@ impl Router {
             session,
             memo,
         })
+    }
+
+    /// How much of its `max_tokens` an answer produces, measured over the answers finished so
+    /// far: clients send one generous limit (or none, and the gateway assumes one) while models
+    /// stop by themselves, so the KV a request will hold is priced from the answers measured,
+    /// not from the limit. 1 where answers use their whole budget (and until one is measured).
+    pub fn output_share(&self) -> f64 {
+        (self.output_tokens_seen / self.output_budget_seen).clamp(1e-3, 1e3)
     }
 
     /// Median learned prefill speed over the model's first [`POOL_SAMPLE`] instances: the same
@@ -937,10 +958,12 @@ impl Router {
                 .saturating_sub(plan.predicted_cached_tokens)
         };
         let work_tokens = instance.load.pending_tokens + u64::from(uncached);
-        let kv_tokens = u64::from(plan.prompt_tokens) + u64::from(plan.max_tokens);
+        let output_budget =
+            (!plan.is_prefill_leg && plan.max_tokens > 0).then_some(plan.max_tokens);
         instance.load.pending_requests += 1;
         instance.load.pending_tokens += u64::from(uncached);
-        instance.load.kv_tokens += kv_tokens;
+        instance.load.kv_prompt_tokens += u64::from(plan.prompt_tokens);
+        instance.load.kv_output_budget += u64::from(plan.max_tokens);
         if !plan.is_decode_only {
             instance.learned.mean_uncached_tokens = ewma(
                 instance.learned.mean_uncached_tokens,
@@ -985,7 +1008,9 @@ impl Router {
                 first_token_at: None,
                 prompt_bytes: plan.prompt_bytes,
                 uncached_tokens: uncached,
-                kv_tokens,
+                kv_prompt_tokens: u64::from(plan.prompt_tokens),
+                kv_output_budget: u64::from(plan.max_tokens),
+                output_budget,
                 work_tokens,
                 learns_speed: !plan.is_decode_only,
                 matched_blocks: plan.matched_blocks,
@@ -1076,7 +1101,8 @@ impl Router {
             }
             Some(_) => instance.load.running_requests -= 1,
         }
-        instance.load.kv_tokens -= record.kv_tokens;
+        instance.load.kv_prompt_tokens -= record.kv_prompt_tokens;
+        instance.load.kv_output_budget -= record.kv_output_budget;
         if let (true, Some(first_token_at)) = (finished, record.first_token_at) {
             // How long the request held a sequence slot: its decode, plus the part of its time
             // to first token that was its own prefill. The time it queued for a slot is not
@@ -1100,6 +1126,12 @@ impl Router {
             return Ok(());
         }
         let Some(usage) = usage else { return Ok(()) };
+        // An engine that reports no generated tokens says nothing about answer lengths.
+        if let Some(budget) = record.output_budget.filter(|_| usage.completion_tokens > 0) {
+            let out = f64::from(usage.completion_tokens);
+            self.output_tokens_seen = ewma(self.output_tokens_seen, out, rate * 0.5);
+            self.output_budget_seen = ewma(self.output_budget_seen, f64::from(budget), rate * 0.5);
+        }
         if usage.prompt_tokens > 0 && record.prompt_bytes > 0 {
             // A ratio of moving sums weighs each request by its length, so short prompts (where
             // the chat template's tokens dominate) do not swing the estimate.

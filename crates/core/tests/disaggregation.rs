@@ -3,7 +3,7 @@
 
 use switchyard_core::{
     Exclusion, InstanceId, InstanceSpec, Observation, RequestId, Role, RouteRequest, Router,
-    RouterConfig,
+    RouterConfig, Usage,
 };
 
 /// One prefill and two decode instances behind a router with the given local-prefill limit.
@@ -234,4 +234,45 @@ fn a_decode_instance_running_a_prompt_whole_pays_for_stalling_its_batch() {
         .unwrap();
     assert_eq!(busy.best(), Some(p), "{}", busy.explain(5));
     assert!(busy.best_decode().is_some(), "{}", busy.explain(5));
+}
+
+/// The prefill leg of a hand-off generates one token whatever the request asked: only the
+/// decode leg's answer says how much of `max_tokens` answers use.
+#[test]
+fn only_the_decode_leg_teaches_the_output_share() {
+    let (mut router, p, _) = pd_router(0);
+    let prompt = text(500, 4);
+    let request = RouteRequest {
+        max_tokens: 400,
+        ..RouteRequest::text("m", &prompt)
+    };
+    let decision = router.route(&request, 0.0).unwrap();
+    assert_eq!(decision.best(), Some(p));
+    let decode = decision.best_decode().unwrap();
+    for (id, instance, completion_tokens) in [(1, p, 1), (2, decode, 400)] {
+        let request = RequestId(id);
+        let plan = decision.plan_for(instance);
+        router
+            .observe(
+                Observation::Routed {
+                    request,
+                    instance,
+                    plan,
+                },
+                0.0,
+            )
+            .unwrap();
+        router
+            .observe(Observation::FirstToken(request), 0.3)
+            .unwrap();
+        let usage = Usage {
+            prompt_tokens: 500,
+            cached_tokens: None,
+            completion_tokens,
+        };
+        router
+            .observe(Observation::Finished(request, Some(usage)), 1.0)
+            .unwrap();
+    }
+    assert_eq!(router.output_share(), 1.0);
 }

@@ -1419,3 +1419,60 @@ fn cost_charges_no_prefill_backlog_where_the_queue_waits_for_a_slot() {
         decision.explain(2)
     );
 }
+
+/// Clients send one generous `max_tokens` while answers stop early: once answers are measured,
+/// the KV reserved for the requests still in flight follows them, and an instance that only
+/// looked full by the limit stops paying the KV penalty. A prefill leg's one token, or an
+/// engine that reports no generated tokens, teaches nothing.
+#[test]
+fn the_kv_reservation_follows_the_answers_measured_not_the_limit() {
+    let mut router = Router::new(RouterConfig::default()).unwrap();
+    let spec = InstanceSpec {
+        kv_capacity_tokens: Some(100_000),
+        ..InstanceSpec::new("a", "m")
+    };
+    let a = router.add_instance(spec).unwrap();
+    let texts: Vec<String> = (0..40).map(|i| prompt("words. ", 100, i)).collect();
+    let generous = |text| RouteRequest {
+        max_tokens: 4096,
+        ..RouteRequest::text("m", text)
+    };
+    // 30 requests in flight reserve 30 × (100 + 4,096) tokens by the limit: past capacity.
+    for (id, text) in texts.iter().enumerate().take(30) {
+        send(&mut router, id as u64, &generous(text), 0.0);
+    }
+    let full = router.route(&generous(&texts[39]), 0.0).unwrap();
+    assert!(full.candidate(a).unwrap().terms.kv_penalty_s > 0.0);
+    assert_eq!(router.output_share(), 1.0, "nothing measured yet");
+    let end = |router: &mut Router, id: u64, completion_tokens: u32| {
+        router
+            .observe(Observation::FirstToken(RequestId(id)), 1.0)
+            .unwrap();
+        let usage = Usage {
+            prompt_tokens: 100,
+            cached_tokens: None,
+            completion_tokens,
+        };
+        router
+            .observe(Observation::Finished(RequestId(id), Some(usage)), 2.0)
+            .unwrap();
+    };
+    // Engines that count no generated tokens say nothing about answer lengths.
+    end(&mut router, 0, 0);
+    assert_eq!(router.output_share(), 1.0);
+    // Answers of 128 tokens, a thirty-second of the limit; 22 requests stay in flight, still
+    // past the watermark by the limit (22 × 4,196 + 4,196 tokens of 100,000).
+    for id in 1..8 {
+        end(&mut router, id, 128);
+    }
+    let share = router.output_share();
+    assert!(share < 0.1, "{share}");
+    let load = &router.fleet().get(a).unwrap().load;
+    let reserved = load.kv_tokens(share);
+    assert!(
+        reserved < 22 * (100 + 4096) / 4,
+        "the 22 in flight are re-priced: {reserved}"
+    );
+    let relieved = router.route(&generous(&texts[39]), 2.0).unwrap();
+    assert_eq!(relieved.candidate(a).unwrap().terms.kv_penalty_s, 0.0);
+}

@@ -56,7 +56,7 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
                 "pending_requests": i.load.pending_requests,
                 "pending_tokens": i.load.pending_tokens,
                 "running_requests": i.load.running_requests,
-                "kv_tokens": i.load.kv_tokens,
+                "kv_tokens": i.load.kv_tokens(router.output_share()),
             })
         });
         let engine = instance.and_then(|i| i.engine.as_ref()).map(|(m, at)| {
@@ -100,6 +100,8 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
     let mut body = json!({
         "policy": router.policy_name(),
         "router_in_flight": router.in_flight_len(),
+        // How much of its `max_tokens` an answer uses, measured: it prices the KV reserved.
+        "output_share": router.output_share(),
         "admission_queue": gw.admission.len(),
         "backends": backends,
         "pending_discovery": pending,

@@ -246,7 +246,7 @@ pub fn snapshot(gw: &Gateway) -> Value {
                     resident: i.map(|i| i.adapters.resident.clone()).unwrap_or_default(),
                     pending: i.map_or(0, |i| i.load.pending_requests),
                     running: i.map_or(0, |i| i.load.running_requests),
-                    kv_tokens: i.map_or(0, |i| i.load.kv_tokens),
+                    kv_tokens: i.map_or(0, |i| i.load.kv_tokens(router.output_share())),
                     engine: i.and_then(|i| i.engine.clone()),
                     prefill_tokens_per_s: i.map_or(0.0, |i| i.learned.prefill_tokens_per_s),
                     hit_share: i.map_or(0.0, |i| i.learned.hit_share),

@@ -177,6 +177,11 @@ pub struct SimConfig {
     pub model: Option<String>,
     /// Engines publish KV events to the routers (`None`: they do not).
     pub kv_events: Option<KvEventsSim>,
+    /// The `max_tokens` the routers are told for every request, while the engines still
+    /// generate the workload's answer lengths: clients that send one generous limit (or none,
+    /// and the gateway assumes its default) and models that stop by themselves. `None`: the
+    /// routers are told each answer's exact length, which no real client knows.
+    pub client_max_tokens: Option<u32>,
 }
 
 impl Default for SimConfig {
@@ -199,6 +204,7 @@ impl Default for SimConfig {
             lower_bound: true,
             model: None,
             kv_events: None,
+            client_max_tokens: None,
         }
     }
 }

@@ -86,6 +86,8 @@ struct Sim {
     /// Replicas share decisions and outcomes ([`SimConfig::replica_sync`]), this late.
     replica_sync: bool,
     replica_sync_delay_s: f64,
+    /// What the routers are told as every request's `max_tokens` ([`SimConfig::client_max_tokens`]).
+    client_max_tokens: Option<u32>,
     /// Messages between replicas on their way, in sending order (one delay for all).
     peer_queue: VecDeque<PeerDelivery>,
     ids: Vec<InstanceId>,
@@ -125,16 +127,19 @@ enum PeerMessage {
 
 /// What a router sees of a workload request (`token_ids`: what a gateway with the model's
 /// tokenizer would match).
+/// `client_max_tokens`: the limit every client sends instead of the workload's answer length
+/// ([`SimConfig::client_max_tokens`]).
 fn route_request<'a>(
     request: &'a Request,
     pieces: &'a Pieces<'a>,
     token_ids: Option<&'a [u32]>,
+    client_max_tokens: Option<u32>,
 ) -> RouteRequest<'a> {
     RouteRequest {
         model: &request.model,
         adapter: request.adapter.as_deref(),
         prompt: pieces.router_prompt(),
-        max_tokens: request.max_tokens,
+        max_tokens: client_max_tokens.unwrap_or(request.max_tokens),
         cache_salt: request.cache_salt.as_deref(),
         session_id: request.session_id.as_deref(),
         phase: Phase::Any,
@@ -257,6 +262,7 @@ impl Sim {
             routers,
             replica_sync: config.replica_sync,
             replica_sync_delay_s: config.replica_sync_delay_s,
+            client_max_tokens: config.client_max_tokens,
             peer_queue: VecDeque::new(),
             ids,
             queue,
@@ -403,7 +409,8 @@ impl Sim {
                     pick,
                 } => {
                     let pieces = Pieces::of(request);
-                    let route = route_request(request, &pieces, tokens.as_deref());
+                    let route =
+                        route_request(request, &pieces, tokens.as_deref(), self.client_max_tokens);
                     for router in peers {
                         if let Ok(decision) = router.route(&route, delivery.at) {
                             let _ = router.observe(
@@ -648,7 +655,7 @@ impl Sim {
         let pieces = Pieces::of(request);
         // With KV events the router sees token ids, as a gateway with the model's tokenizer.
         let token_ids = self.kv.is_some().then_some(&tokens[..]);
-        let route = route_request(request, &pieces, token_ids);
+        let route = route_request(request, &pieces, token_ids, self.client_max_tokens);
         let router = &mut self.routers[replica as usize];
         let decision = match router.route(&route, now) {
             Ok(d) => d,

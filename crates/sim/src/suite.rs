@@ -353,6 +353,9 @@ pub struct SuiteOptions {
     /// Router settings of every run, baselines and calibration included (the policy of each
     /// run is its own): a changed default is judged on the same loads.
     pub router: RouterConfig,
+    /// What every run's routers are told as each request's `max_tokens`
+    /// ([`crate::SimConfig::client_max_tokens`]; `None`: each answer's length).
+    pub client_max_tokens: Option<u32>,
 }
 
 impl Default for SuiteOptions {
@@ -366,6 +369,7 @@ impl Default for SuiteOptions {
             rates: Vec::new(),
             jobs: 1,
             router: RouterConfig::default(),
+            client_max_tokens: None,
         }
     }
 }
@@ -510,6 +514,8 @@ struct Prepared {
     requests: u64,
     /// Router settings of every run (the policy comes from the run).
     router: RouterConfig,
+    /// See [`SuiteOptions::client_max_tokens`].
+    client_max_tokens: Option<u32>,
 }
 
 impl Prepared {
@@ -553,6 +559,7 @@ impl Prepared {
             trace_rate,
             requests,
             router: RouterConfig::default(),
+            client_max_tokens: None,
         })
     }
 
@@ -578,6 +585,7 @@ impl Prepared {
             lower_bound: false,
             model: Some(DEFAULT_MODEL.to_string()),
             router: self.router.clone(),
+            client_max_tokens: self.client_max_tokens,
             ..SimConfig::default()
         }
     }
@@ -813,6 +821,7 @@ pub fn run_suite(options: &SuiteOptions, log: &(dyn Fn(&str) + Sync)) -> Result<
         .map(|w| {
             Prepared::new(w, &mut traces).map(|p| Prepared {
                 router: options.router.clone(),
+                client_max_tokens: options.client_max_tokens,
                 ..p
             })
         })

@@ -305,3 +305,26 @@ fn kv_events_give_replicas_the_cache_view_they_lack() {
     assert!(lost_quiet > 0);
     assert_eq!(no_fallbacks, 0);
 }
+
+/// `client_max_tokens` changes what the routers are told, not what the engines generate.
+#[test]
+fn a_client_limit_is_told_to_the_router_and_answers_keep_their_length() {
+    let oracle = small_fleet(4);
+    let told = SimConfig {
+        // Far past any instance's KV: the router reserves it until answers are measured.
+        client_max_tokens: Some(1_000_000),
+        ..small_fleet(4)
+    };
+    let spec = shared_prefix(200, 30.0);
+    let run = |config: &SimConfig| {
+        simulate(config, "cost", "base", spec.build(config.seed).unwrap()).unwrap()
+    };
+    let (a, b) = (run(&oracle), run(&told));
+    for (x, y) in a.records.iter().zip(&b.records) {
+        assert_eq!(x.completion_tokens, 32);
+        assert_eq!(y.completion_tokens, 32);
+    }
+    let picks =
+        |d: &switchyard_sim::RunData| d.records.iter().map(|r| r.instance).collect::<Vec<_>>();
+    assert_ne!(picks(&a), picks(&b), "the limit reached the router");
+}

@@ -118,7 +118,7 @@ fn kv_penalty_s(
         return 0.0;
     };
     let capacity = capacity as f64;
-    let router_usage = instance.load.kv_tokens as f64 / capacity;
+    let router_usage = instance.load.kv_tokens(ctx.output_share) as f64 / capacity;
     let engine_usage = view.kv_usage.unwrap_or(0.0);
     let projected = router_usage.max(engine_usage) + new_tokens / capacity;
     let mark = ctx.config.cost.kv_high_watermark;
@@ -269,7 +269,7 @@ pub fn prefill_terms(
         unavoidable_s,
     );
     terms.adapter_s = adapter_s(ctx, instance);
-    let new_tokens = uncached + f64::from(ctx.request.max_tokens);
+    let new_tokens = uncached + f64::from(ctx.request.max_tokens) * ctx.output_share;
     terms.kv_penalty_s = kv_penalty_s(ctx, instance, &view, new_tokens);
     terms
 }
@@ -293,7 +293,8 @@ pub fn decode_terms(
     terms.adapter_s = adapter_s(ctx, instance);
     // A decode joins the batch: every running sequence's step gets a little longer.
     terms.decode_penalty_s = cost.decode_interference_weight * f64::from(view.running) * 0.01;
-    let new_tokens = f64::from(ctx.prompt_tokens) + f64::from(ctx.request.max_tokens);
+    let new_tokens =
+        f64::from(ctx.prompt_tokens) + f64::from(ctx.request.max_tokens) * ctx.output_share;
     terms.kv_penalty_s = kv_penalty_s(ctx, instance, &view, new_tokens);
     terms
 }

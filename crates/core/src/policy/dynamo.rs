@@ -46,7 +46,8 @@ impl Policy for DynamoKv {
             let load = &ctx.instance(c).load;
             let prefill_blocks =
                 (load.pending_tokens as f64 + f64::from(c.terms.uncached_tokens)) / block;
-            let decode_blocks = (load.kv_tokens as f64 + f64::from(ctx.prompt_tokens)) / block;
+            let decode_blocks =
+                (load.kv_tokens(ctx.output_share) as f64 + f64::from(ctx.prompt_tokens)) / block;
             c.score = self.config.overlap_score_weight * prefill_blocks + decode_blocks;
         }
     }

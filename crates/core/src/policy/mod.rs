@@ -50,6 +50,8 @@ pub struct ScoringContext<'a> {
     pub prompt_tokens: u32,
     /// Learned bytes of prompt per token.
     pub bytes_per_token: f64,
+    /// How much of its `max_tokens` an answer uses ([`crate::Router::output_share`]).
+    pub output_share: f64,
     /// Which half is being placed.
     pub stage: Stage,
     /// Median learned prefill speed of the model's pool (its first instances; 0: unknown), the
