@@ -960,10 +960,16 @@ impl Router {
         let work_tokens = instance.load.pending_tokens + u64::from(uncached);
         let output_budget =
             (!plan.is_prefill_leg && plan.max_tokens > 0).then_some(plan.max_tokens);
+        // A prefill leg hands its KV over after one token: its answer grows on the decode side.
+        let output_reserved = if plan.is_prefill_leg {
+            0
+        } else {
+            u64::from(plan.max_tokens)
+        };
         instance.load.pending_requests += 1;
         instance.load.pending_tokens += u64::from(uncached);
         instance.load.kv_prompt_tokens += u64::from(plan.prompt_tokens);
-        instance.load.kv_output_budget += u64::from(plan.max_tokens);
+        instance.load.kv_output_budget += output_reserved;
         if !plan.is_decode_only {
             instance.learned.mean_uncached_tokens = ewma(
                 instance.learned.mean_uncached_tokens,
@@ -1009,7 +1015,7 @@ impl Router {
                 prompt_bytes: plan.prompt_bytes,
                 uncached_tokens: uncached,
                 kv_prompt_tokens: u64::from(plan.prompt_tokens),
-                kv_output_budget: u64::from(plan.max_tokens),
+                kv_output_budget: output_reserved,
                 output_budget,
                 work_tokens,
                 learns_speed: !plan.is_decode_only,

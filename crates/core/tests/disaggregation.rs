@@ -236,10 +236,11 @@ fn a_decode_instance_running_a_prompt_whole_pays_for_stalling_its_batch() {
     assert!(busy.best_decode().is_some(), "{}", busy.explain(5));
 }
 
-/// The prefill leg of a hand-off generates one token whatever the request asked: only the
-/// decode leg's answer says how much of `max_tokens` answers use.
+/// The prefill leg of a hand-off generates one token whatever the request asked and hands its
+/// KV over: only the decode instance reserves room for the answer, and only the decode leg's
+/// answer says how much of `max_tokens` answers use.
 #[test]
-fn only_the_decode_leg_teaches_the_output_share() {
+fn only_the_decode_leg_reserves_and_teaches_the_answer() {
     let (mut router, p, _) = pd_router(0);
     let prompt = text(500, 4);
     let request = RouteRequest {
@@ -249,19 +250,20 @@ fn only_the_decode_leg_teaches_the_output_share() {
     let decision = router.route(&request, 0.0).unwrap();
     assert_eq!(decision.best(), Some(p));
     let decode = decision.best_decode().unwrap();
-    for (id, instance, completion_tokens) in [(1, p, 1), (2, decode, 400)] {
-        let request = RequestId(id);
+    let legs = [(1, p, 1), (2, decode, 400)];
+    for (id, instance, _) in legs {
         let plan = decision.plan_for(instance);
-        router
-            .observe(
-                Observation::Routed {
-                    request,
-                    instance,
-                    plan,
-                },
-                0.0,
-            )
-            .unwrap();
+        let routed = Observation::Routed {
+            request: RequestId(id),
+            instance,
+            plan,
+        };
+        router.observe(routed, 0.0).unwrap();
+    }
+    let budget = |i| router.fleet().get(i).unwrap().load.kv_output_budget;
+    assert_eq!((budget(p), budget(decode)), (0, 400));
+    for (id, _, completion_tokens) in legs {
+        let request = RequestId(id);
         router
             .observe(Observation::FirstToken(request), 0.3)
             .unwrap();

@@ -269,7 +269,13 @@ pub fn prefill_terms(
         unavoidable_s,
     );
     terms.adapter_s = adapter_s(ctx, instance);
-    let new_tokens = uncached + f64::from(ctx.request.max_tokens) * ctx.output_share;
+    // A prefill half hands its KV over after one token: the answer grows on the decode side.
+    let answer = if ctx.stage == Stage::Prefill {
+        0.0
+    } else {
+        f64::from(ctx.request.max_tokens) * ctx.output_share
+    };
+    let new_tokens = uncached + answer;
     terms.kv_penalty_s = kv_penalty_s(ctx, instance, &view, new_tokens);
     terms
 }
