@@ -501,3 +501,39 @@ async fn the_demo_runs_a_whole_fleet_in_one_command() {
     demo.terminate();
     assert_eq!(demo.wait_exit(Duration::from_secs(15)), Some(0));
 }
+
+/// A client that sends no `max_tokens`: the gateway budgets 256 tokens, the engine (as vLLM)
+/// answers until its context is full, and `/admin/fleet` shows the router measuring answers
+/// longer than the budget it assumed (docs/core.md, `kv_penalty`).
+#[tokio::test]
+async fn the_router_measures_how_much_of_max_tokens_answers_use() {
+    let e = engine(&["--max-model-len", "600"]);
+    let gw = gateway(&["--backend", &backend(&e), "--admin-token", "adm"]);
+    let c = client();
+    let url = gw.url("/v1/chat/completions");
+    let ask = |i: usize| json!({"model": MODEL, "messages": [{"role": "user", "content": format!("hello {i}")}]});
+    let first = poll(Duration::from_secs(10), || async {
+        let r = post(&c, &url, &ask(0)).await;
+        (r.status == 200).then_some(r)
+    })
+    .await
+    .expect("the gateway serves");
+    let answer = first.json()["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(
+        answer > 300,
+        "the engine fills its context: {answer} tokens"
+    );
+    for i in 1..4 {
+        assert_eq!(post(&c, &url, &ask(i)).await.status, 200);
+    }
+    let auth = [("authorization", "Bearer adm")];
+    let share = poll(Duration::from_secs(10), || async {
+        let fleet = get_with(&c, &gw.url("/admin/fleet"), &auth).await.json();
+        fleet["output_share"].as_f64().filter(|&s| s > 1.2)
+    })
+    .await;
+    assert!(
+        share.is_some(),
+        "answers of ~{answer} tokens against 256 assumed"
+    );
+}
