@@ -80,7 +80,14 @@ test("the dashboard shows the fleet live, under load and with a drained instance
   const url = await demo.url;
   const auth = { authorization: `Bearer ${token}` };
 
-  const fleet = await (await fetch(`${url}/admin/fleet`, { headers: auth })).json();
+  // The gateway listens before it has asked every engine for its models (`pending_discovery`):
+  // wait for all three to join.
+  let fleet = null;
+  const joined = await until("all three engines join the fleet", 10000, async () => {
+    fleet = await (await fetch(`${url}/admin/fleet`, { headers: auth })).json();
+    return fleet.backends.length === 3;
+  }).catch(() => false);
+  assert.ok(joined, JSON.stringify(fleet));
   const names = fleet.backends.map((b) => b.name).sort();
   assert.equal(names.length, 3, JSON.stringify(fleet));
 
