@@ -102,12 +102,11 @@ struct InFlight {
     first_token_at: Option<f64>,
     prompt_bytes: usize,
     uncached_tokens: u32,
-    /// Its prompt tokens and output budget, as added to the instance's KV reservation.
+    /// Its prompt tokens and output budget, as added to the instance's KV reservation. The
+    /// budget is also what its answer is measured against; 0 for a prefill leg (its engine
+    /// generates one token whatever the request asked) and for a leg the router did not plan.
     kv_prompt_tokens: u64,
-    kv_output_budget: u64,
-    /// The `max_tokens` its answer is measured against (`None`: a prefill leg, whose engine
-    /// generates one token whatever the request asked, or a leg the router did not plan).
-    output_budget: Option<u32>,
+    kv_output_budget: u32,
     /// Prefill work (tokens) ahead of and including this request when it was routed.
     work_tokens: u64,
     /// Whether its TTFT measures a prefill here (not for the decode leg of a hand-off).
@@ -958,18 +957,16 @@ impl Router {
                 .saturating_sub(plan.predicted_cached_tokens)
         };
         let work_tokens = instance.load.pending_tokens + u64::from(uncached);
-        let output_budget =
-            (!plan.is_prefill_leg && plan.max_tokens > 0).then_some(plan.max_tokens);
         // A prefill leg hands its KV over after one token: its answer grows on the decode side.
-        let output_reserved = if plan.is_prefill_leg {
+        let output_budget = if plan.is_prefill_leg {
             0
         } else {
-            u64::from(plan.max_tokens)
+            plan.max_tokens
         };
         instance.load.pending_requests += 1;
         instance.load.pending_tokens += u64::from(uncached);
         instance.load.kv_prompt_tokens += u64::from(plan.prompt_tokens);
-        instance.load.kv_output_budget += output_reserved;
+        instance.load.kv_output_budget += u64::from(output_budget);
         if !plan.is_decode_only {
             instance.learned.mean_uncached_tokens = ewma(
                 instance.learned.mean_uncached_tokens,
@@ -1015,8 +1012,7 @@ impl Router {
                 prompt_bytes: plan.prompt_bytes,
                 uncached_tokens: uncached,
                 kv_prompt_tokens: u64::from(plan.prompt_tokens),
-                kv_output_budget: output_reserved,
-                output_budget,
+                kv_output_budget: output_budget,
                 work_tokens,
                 learns_speed: !plan.is_decode_only,
                 matched_blocks: plan.matched_blocks,
@@ -1108,7 +1104,7 @@ impl Router {
             Some(_) => instance.load.running_requests -= 1,
         }
         instance.load.kv_prompt_tokens -= record.kv_prompt_tokens;
-        instance.load.kv_output_budget -= record.kv_output_budget;
+        instance.load.kv_output_budget -= u64::from(record.kv_output_budget);
         if let (true, Some(first_token_at)) = (finished, record.first_token_at) {
             // How long the request held a sequence slot: its decode, plus the part of its time
             // to first token that was its own prefill. The time it queued for a slot is not
@@ -1133,9 +1129,9 @@ impl Router {
         }
         let Some(usage) = usage else { return Ok(()) };
         // An engine that reports no generated tokens says nothing about answer lengths.
-        if let Some(budget) = record.output_budget.filter(|_| usage.completion_tokens > 0) {
-            let out = f64::from(usage.completion_tokens);
-            self.output_tokens_seen = ewma(self.output_tokens_seen, out, rate * 0.5);
+        if record.kv_output_budget > 0 && usage.completion_tokens > 0 {
+            let (out, budget) = (usage.completion_tokens, record.kv_output_budget);
+            self.output_tokens_seen = ewma(self.output_tokens_seen, f64::from(out), rate * 0.5);
             self.output_budget_seen = ewma(self.output_budget_seen, f64::from(budget), rate * 0.5);
         }
         if usage.prompt_tokens > 0 && record.prompt_bytes > 0 {

@@ -126,9 +126,8 @@ enum PeerMessage {
 }
 
 /// What a router sees of a workload request (`token_ids`: what a gateway with the model's
-/// tokenizer would match).
-/// `client_max_tokens`: the limit every client sends instead of the workload's answer length
-/// ([`SimConfig::client_max_tokens`]).
+/// tokenizer would match; `client_max_tokens`: the limit every client sends instead of the
+/// workload's answer length, [`SimConfig::client_max_tokens`]).
 fn route_request<'a>(
     request: &'a Request,
     pieces: &'a Pieces<'a>,

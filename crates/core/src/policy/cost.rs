@@ -273,7 +273,7 @@ pub fn prefill_terms(
     let answer = if ctx.stage == Stage::Prefill {
         0.0
     } else {
-        f64::from(ctx.request.max_tokens) * ctx.output_share
+        ctx.expected_answer_tokens()
     };
     let new_tokens = uncached + answer;
     terms.kv_penalty_s = kv_penalty_s(ctx, instance, &view, new_tokens);
@@ -299,8 +299,7 @@ pub fn decode_terms(
     terms.adapter_s = adapter_s(ctx, instance);
     // A decode joins the batch: every running sequence's step gets a little longer.
     terms.decode_penalty_s = cost.decode_interference_weight * f64::from(view.running) * 0.01;
-    let new_tokens =
-        f64::from(ctx.prompt_tokens) + f64::from(ctx.request.max_tokens) * ctx.output_share;
+    let new_tokens = f64::from(ctx.prompt_tokens) + ctx.expected_answer_tokens();
     terms.kv_penalty_s = kv_penalty_s(ctx, instance, &view, new_tokens);
     terms
 }

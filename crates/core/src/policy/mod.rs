@@ -60,6 +60,11 @@ pub struct ScoringContext<'a> {
 }
 
 impl ScoringContext<'_> {
+    /// The answer the request will probably hold in KV: its `max_tokens` at the measured share.
+    pub fn expected_answer_tokens(&self) -> f64 {
+        f64::from(self.request.max_tokens) * self.output_share
+    }
+
     /// The instance behind a candidate. Candidates are built from current instances only.
     pub fn instance(&self, candidate: &Candidate) -> &Instance {
         // Invariant: the router builds candidates from the fleet just before scoring.
