@@ -83,6 +83,10 @@ pub struct Candidate {
     /// What the ranking sorts by: the score, or the best score for a near tie.
     #[serde(skip)]
     pub(crate) key: f64,
+    /// Orders a near tie before chance does: the KV tokens the instance will hold for its
+    /// requests in flight (0 when the policy does not say).
+    #[serde(skip)]
+    pub(crate) tie_load: u64,
 }
 
 /// Where a request should go: candidates best first, then the excluded ones with reasons.

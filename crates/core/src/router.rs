@@ -447,6 +447,7 @@ impl Router {
                 excluded,
                 tie: u64::from(slot),
                 key: f64::INFINITY,
+                tie_load: 0,
             };
             let reason = match instance.health {
                 Health::Unhealthy => Some(Exclusion::Unhealthy),
@@ -1368,8 +1369,11 @@ fn near_ties(head: &mut [Candidate], tie: Tie, rng: &mut SmallRng) {
     };
     for c in head.iter_mut().filter(|c| c.score <= limit) {
         c.key = best;
-        // The top bit ranks holders of less of the prompt after the best holders.
+        // The top bit ranks holders of less of the prompt after the best holders; then the
+        // instances holding the least KV for their requests in flight (the decode batch the
+        // request joins, whose attention sets its inter-token time), then chance.
         let behind = u64::from(c.terms.cached_tokens < most_cached) << 63;
-        c.tie = behind | (rng.random::<u64>() >> 1);
+        let load = c.tie_load.min((1 << 31) - 1) << 32;
+        c.tie = behind | load | (rng.random::<u64>() >> 32);
     }
 }

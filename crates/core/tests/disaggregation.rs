@@ -278,3 +278,39 @@ fn only_the_decode_leg_reserves_and_teaches_the_answer() {
     }
     assert_eq!(router.output_share(), 1.0);
 }
+
+#[test]
+fn a_near_tie_between_decode_instances_goes_to_the_one_holding_less_kv() {
+    let (mut router, p, [d0, d1]) = pd_router(0);
+    // One decode leg in flight on each decode instance: a long conversation on d0, a short
+    // one on d1. Both batches run one sequence, so the TTFT estimates tie.
+    for (id, instance, tokens) in [(1, d0, 3000), (2, d1, 100)] {
+        let prompt = text(tokens, 10 + id);
+        let request = RouteRequest {
+            max_tokens: 200,
+            ..RouteRequest::text("m", &prompt)
+        };
+        let decision = router.route(&request, 0.0).unwrap();
+        let plan = decision.plan_for(instance);
+        let routed = Observation::Routed {
+            request: RequestId(id),
+            instance,
+            plan,
+        };
+        router.observe(routed, 0.0).unwrap();
+    }
+    let kv = |i| router.fleet().get(i).unwrap().load.kv_prompt_tokens;
+    assert!(kv(d0) > 10 * kv(d1), "{} against {}", kv(d0), kv(d1));
+    // Chance would send about half of these to d0; its longer context makes every step
+    // there slower.
+    let prompt = text(300, 99);
+    let request = RouteRequest {
+        max_tokens: 200,
+        ..RouteRequest::text("m", &prompt)
+    };
+    for _ in 0..20 {
+        let decision = router.route(&request, 0.1).unwrap();
+        assert_eq!(decision.best(), Some(p));
+        assert_eq!(decision.best_decode(), Some(d1), "{}", decision.explain(4));
+    }
+}
