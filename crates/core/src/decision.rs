@@ -218,14 +218,34 @@ impl Decision {
             ));
         }
         let excluded = self.candidates.len() - self.eligible;
-        format!(
+        let mut explained = format!(
             "policy={} eligible={} excluded={} saturated={} [{}]",
             self.policy,
             self.eligible,
             excluded,
             self.saturated,
             parts.join("; ")
-        )
+        );
+        if self.decode_eligible > 0 {
+            // Decode candidates mostly tie on their terms; what broke the tie is shown too.
+            let decode: Vec<String> = self.decode[..self.decode_eligible]
+                .iter()
+                .take(top)
+                .map(|c| {
+                    format!(
+                        "{} score={:.4} wait={:.4} transfer={:.4} protect={:.4} kv_held={}",
+                        name(c.instance),
+                        c.score,
+                        c.terms.wait_s,
+                        c.terms.transfer_s,
+                        c.terms.decode_penalty_s + c.terms.kv_penalty_s,
+                        c.tie_load
+                    )
+                })
+                .collect();
+            explained.push_str(&format!(" decode=[{}]", decode.join("; ")));
+        }
+        explained
     }
 }
 

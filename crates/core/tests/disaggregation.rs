@@ -300,7 +300,8 @@ fn a_near_tie_between_decode_instances_goes_to_the_one_holding_less_kv() {
         router.observe(routed, 0.0).unwrap();
     }
     let kv = |i| router.fleet().get(i).unwrap().load.kv_prompt_tokens;
-    assert!(kv(d0) > 10 * kv(d1), "{} against {}", kv(d0), kv(d1));
+    let (kv0, kv1) = (kv(d0), kv(d1));
+    assert!(kv0 > 10 * kv1, "{kv0} against {kv1}");
     // Chance would send about half of these to d0; its longer context makes every step
     // there slower.
     let prompt = text(300, 99);
@@ -313,4 +314,11 @@ fn a_near_tie_between_decode_instances_goes_to_the_one_holding_less_kv() {
         assert_eq!(decision.best(), Some(p));
         assert_eq!(decision.best_decode(), Some(d1), "{}", decision.explain(4));
     }
+    // The explanation shows what broke the tie.
+    let explained = router.route(&request, 0.1).unwrap().explain(4);
+    let decode = explained.split(" decode=[").nth(1).expect(&explained);
+    let first = format!("{}#{} ", d1.slot, d1.generation);
+    assert!(decode.starts_with(&first), "{explained}");
+    let held = format!("kv_held={}", kv0 + 200);
+    assert!(decode.contains(&held), "{explained}");
 }
