@@ -239,6 +239,22 @@ fn a_decode_instance_running_a_prompt_whole_pays_for_stalling_its_batch() {
 /// The prefill leg of a hand-off generates one token whatever the request asked and hands its
 /// KV over: only the decode instance reserves room for the answer, and only the decode leg's
 /// answer says how much of `max_tokens` answers use.
+/// Records request `id` as routed to `instance`, with the plan `decision` made for it.
+fn record_routed(
+    router: &mut Router,
+    id: u64,
+    decision: &switchyard_core::Decision,
+    instance: InstanceId,
+) {
+    let plan = decision.plan_for(instance);
+    let routed = Observation::Routed {
+        request: RequestId(id),
+        instance,
+        plan,
+    };
+    router.observe(routed, 0.0).unwrap();
+}
+
 #[test]
 fn only_the_decode_leg_reserves_and_teaches_the_answer() {
     let (mut router, p, _) = pd_router(0);
@@ -252,13 +268,7 @@ fn only_the_decode_leg_reserves_and_teaches_the_answer() {
     let decode = decision.best_decode().unwrap();
     let legs = [(1, p, 1), (2, decode, 400)];
     for (id, instance, _) in legs {
-        let plan = decision.plan_for(instance);
-        let routed = Observation::Routed {
-            request: RequestId(id),
-            instance,
-            plan,
-        };
-        router.observe(routed, 0.0).unwrap();
+        record_routed(&mut router, id, &decision, instance);
     }
     let budget = |i| router.fleet().get(i).unwrap().load.kv_output_budget;
     assert_eq!((budget(p), budget(decode)), (0, 400));
@@ -291,13 +301,7 @@ fn a_near_tie_between_decode_instances_goes_to_the_one_holding_less_kv() {
             ..RouteRequest::text("m", &prompt)
         };
         let decision = router.route(&request, 0.0).unwrap();
-        let plan = decision.plan_for(instance);
-        let routed = Observation::Routed {
-            request: RequestId(id),
-            instance,
-            plan,
-        };
-        router.observe(routed, 0.0).unwrap();
+        record_routed(&mut router, id, &decision, instance);
     }
     let kv = |i| router.fleet().get(i).unwrap().load.kv_prompt_tokens;
     let (kv0, kv1) = (kv(d0), kv(d1));
