@@ -26,7 +26,7 @@ pub struct SimArgs {
     /// Instances (all both-role unless --roles or --fleet).
     #[arg(long, default_value_t = 8)]
     instances: u32,
-    /// Engine profile file (JSON, or TOML by extension).
+    /// Engine profile file (JSON, or TOML by extension; with --suite: every engine's).
     #[arg(long, value_name = "FILE")]
     profile: Option<PathBuf>,
     /// KV cache blocks per instance.
@@ -115,7 +115,8 @@ pub struct SimArgs {
 
     /// Run the workload suite instead: `cost` against the baselines on ten workloads, at
     /// round-robin's calibrated capacity and in overload, over --seeds; prints one table of
-    /// ratios. The workload, fleet and router flags above are ignored, except --router-config.
+    /// ratios. The workload, fleet and router flags above are ignored, except --router-config
+    /// and --profile.
     #[arg(long)]
     suite: bool,
     /// Suite: seeds of the compared runs.
@@ -256,6 +257,11 @@ fn run_suite(args: &SimArgs) -> anyhow::Result<()> {
         jobs: args.suite_jobs.max(1),
         router: router_settings(args)?,
         client_max_tokens: args.client_max_tokens,
+        profile: args
+            .profile
+            .is_some()
+            .then(|| engine_template(args).map(|e| e.profile))
+            .transpose()?,
     };
     let started = std::time::Instant::now();
     let results = switchyard_sim::suite::run_suite(&options, &|line| eprintln!("{line}"))?;

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
 use switchyard_core::RouterConfig;
-use switchyard_engine::Role;
+use switchyard_engine::{Profile, Role};
 use switchyard_workload::{
     read_trace, AdapterMix, ArrivalProcess, ChatSpec, Count, Delay, GroupSelection, RequestStream,
     SharedPrefixSpec, TraceReplay, TraceRow, TraceSpec, WorkloadSpec, DEFAULT_MODEL,
@@ -45,6 +45,13 @@ pub const KNEE_P50_FLOOR_S: f64 = 0.25;
 pub const KNEE_P99_FLOOR_S: f64 = 1.0;
 /// The light load of calibration, as a fraction of the workload's starting guess.
 const LIGHT_FRACTION: f64 = 0.125;
+/// A light load is light when halving it leaves round-robin's TTFT p50 above this share of its
+/// value: requests no longer queue. The starting guesses are an H100's; on a slower engine
+/// (`SuiteOptions::profile`) the first light load can already queue, and thresholds taken from
+/// it were never crossed (the search ran off to a flood of the whole workload at once).
+const LIGHT_SETTLED: f64 = 0.8;
+/// Halvings of the light load at most while it still queues (2^-8 of the first light load).
+const MAX_LIGHT_HALVINGS: u32 = 8;
 /// Geometric bisection steps after the bracket is found (a factor-2 bracket to 2^(1/16) ≈ 4 %).
 const BISECTIONS: u32 = 4;
 /// Fewest requests a scaled workload keeps.
@@ -356,6 +363,10 @@ pub struct SuiteOptions {
     /// What every run's routers are told as each request's `max_tokens`
     /// ([`crate::SimConfig::client_max_tokens`]; `None`: each answer's length).
     pub client_max_tokens: Option<u32>,
+    /// The step-time model of every engine (`None`: each workload's own, the default H100
+    /// profile): the suite on an engine the defaults were not tuned on. Knee rates are
+    /// calibrated on it, so the loads stay comparable.
+    pub profile: Option<Profile>,
 }
 
 impl Default for SuiteOptions {
@@ -370,6 +381,7 @@ impl Default for SuiteOptions {
             jobs: 1,
             router: RouterConfig::default(),
             client_max_tokens: None,
+            profile: None,
         }
     }
 }
@@ -625,7 +637,19 @@ fn calibrate(p: &Prepared, log: &(dyn Fn(&str) + Sync)) -> Result<Calibration> {
         Ok(step)
     };
     let guess = p.workload.guess_rate;
-    let light = probe(guess * LIGHT_FRACTION, (f64::INFINITY, f64::INFINITY))?;
+    let unsaturable = (f64::INFINITY, f64::INFINITY);
+    let mut light_rate = guess * LIGHT_FRACTION;
+    let mut light = probe(light_rate, unsaturable)?;
+    for _ in 0..MAX_LIGHT_HALVINGS {
+        let lighter = probe(light_rate / 2.0, unsaturable)?;
+        if lighter.ttft_p50 >= LIGHT_SETTLED * light.ttft_p50 {
+            break;
+        }
+        light = lighter;
+        light_rate /= 2.0;
+    }
+    // The search starts no higher than eight times the light load.
+    let guess = guess.min(light_rate / LIGHT_FRACTION);
     let threshold = (
         (KNEE_FACTOR * light.ttft_p50).max(KNEE_P50_FLOOR_S),
         (KNEE_FACTOR * light.ttft_p99).max(KNEE_P99_FLOOR_S),
@@ -638,9 +662,9 @@ fn calibrate(p: &Prepared, log: &(dyn Fn(&str) + Sync)) -> Result<Calibration> {
         while probe(lo, threshold)?.saturated {
             hi = lo;
             lo /= 2.0;
-            if lo < guess * LIGHT_FRACTION {
+            if lo < light_rate {
                 // Saturated at the light load's order: keep the light rate.
-                lo = guess * LIGHT_FRACTION;
+                lo = light_rate;
                 break;
             }
         }
@@ -805,6 +829,11 @@ pub fn run_suite(options: &SuiteOptions, log: &(dyn Fn(&str) + Sync)) -> Result<
             if !options.policies.is_empty() {
                 w.policies
                     .retain(|p| p == "cost" || options.policies.contains(p));
+            }
+            if let Some(profile) = &options.profile {
+                for group in &mut w.fleet {
+                    group.engine.profile = profile.clone();
+                }
             }
             w
         })
@@ -1033,11 +1062,14 @@ impl SuiteResults {
     }
 
     fn legend(&self) -> String {
+        let engines = self.options.profile.as_ref().map_or(String::new(), |p| {
+            format!(" Engines: profile `{}`.", p.name)
+        });
         format!(
             "cost ÷ best baseline per seed: median (min-max) over seeds {:?}; below 1 cost is \
              better; best: the baseline best on most seeds (n/{} when not all). preempt and \
              cached: cost / the best-on-mean-TTFT baseline (medians). knee: round-robin's \
-             capacity (calibrated); overload: {}× it.",
+             capacity (calibrated); overload: {}× it.{engines}",
             self.options.seeds,
             self.options.seeds.len(),
             self.options.overload

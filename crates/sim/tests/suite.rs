@@ -95,3 +95,81 @@ fn a_tiny_suite_has_every_row_and_finite_ratios() {
         assert_eq!(pick(&results, name), pick(&again, name));
     }
 }
+
+#[test]
+fn a_profile_runs_every_engine_of_the_suite_on_it() {
+    let options = SuiteOptions {
+        seeds: vec![1],
+        scale: 0.005,
+        only: vec!["decode-heavy".into()],
+        policies: vec!["round-robin".into()],
+        rates: vec![("decode-heavy".into(), 2.0)],
+        ..SuiteOptions::default()
+    };
+    let default_engines = run_suite(&options, &|_| {}).unwrap();
+    let slow = switchyard_engine::Profile {
+        name: "ten-times-slower".into(),
+        step_base_s: 0.055,
+        prefill_s_per_token: 10.0 / 45_000.0,
+        ..switchyard_engine::Profile::default()
+    };
+    let slow_engines = run_suite(
+        &SuiteOptions {
+            profile: Some(slow),
+            ..options
+        },
+        &|_| {},
+    )
+    .unwrap();
+    let ttft = |r: &switchyard_sim::suite::SuiteResults| {
+        r.runs
+            .iter()
+            .find(|run| run.load == "knee" && run.summary.policy == "round-robin")
+            .map(|run| run.summary.ttft.mean)
+            .unwrap()
+    };
+    // The same requests at the same rate take several times as long on ten-times-slower steps.
+    assert!(
+        ttft(&slow_engines) > 5.0 * ttft(&default_engines),
+        "{} vs {}",
+        ttft(&slow_engines),
+        ttft(&default_engines)
+    );
+    assert!(slow_engines
+        .markdown()
+        .contains("Engines: profile `ten-times-slower`."));
+    assert!(!default_engines.markdown().contains("Engines: profile"));
+}
+
+#[test]
+fn on_a_slow_engine_the_calibration_lowers_its_light_load_until_it_does_not_queue() {
+    // Prefill forty times slower than the default H100 profile's.
+    let slow = switchyard_engine::Profile {
+        name: "slow-prefill".into(),
+        prefill_s_per_token: 40.0 / 45_000.0,
+        ..switchyard_engine::Profile::default()
+    };
+    let options = SuiteOptions {
+        seeds: vec![1],
+        scale: 0.1,
+        only: vec!["prefill-heavy".into()],
+        policies: vec!["round-robin".into()],
+        profile: Some(slow),
+        ..SuiteOptions::default()
+    };
+    let results = run_suite(&options, &|_| {}).unwrap();
+    let calibration = &results.workloads[0].calibration;
+    let steps = &calibration.steps;
+    // The first light load (an eighth of the H100 guess) queues on these engines: lighter ones
+    // follow it, and the thresholds come from the last of them, which did not queue.
+    assert!(steps[1].rate < steps[0].rate, "{steps:?}");
+    // Five times the first light load's p50 would be a threshold no load of this workload
+    // crosses (its TTFT is bounded by the whole workload's work).
+    assert!(
+        calibration.threshold_p50_s < steps[0].ttft_p50,
+        "{calibration:?}"
+    );
+    // The knee is found below that first light load, not by flooding the engines.
+    assert!(calibration.knee_rate < steps[0].rate, "{calibration:?}");
+    assert!(steps.iter().any(|s| s.saturated), "{steps:?}");
+}
