@@ -162,6 +162,27 @@ fn cost_learns_a_slow_instance_and_moves_away_from_it() {
 }
 
 #[test]
+fn a_fast_engine_does_not_teach_a_speed_from_its_first_tokens_minus_the_whole_fixed_part() {
+    let (mut router, ids) = router("cost", 1);
+    // A small model's engine: 1,000 tokens of prefill, first token after 11 ms. Taking the whole
+    // 10 ms prior of the fixed part off it would read 1,000,000 tokens/s (clamped to 320,000);
+    // the fixed part is taken as at most half, so the speed stays near what the engine shows.
+    let mut now = 0.0;
+    for id in 0..60u64 {
+        let text = prompt(&format!("distinct {id} "), 1000, id);
+        send(&mut router, id, &RouteRequest::text("m", &text), now);
+        now += 0.011;
+        finish(&mut router, id, now);
+        now += 1.0;
+    }
+    let learned = router.learned(ids[0]).unwrap().prefill_tokens_per_s;
+    assert!(
+        (150_000.0..250_000.0).contains(&learned),
+        "learned {learned} tokens/s"
+    );
+}
+
+#[test]
 fn cost_prefers_a_resident_adapter_and_guards_against_thrashing() {
     let config = RouterConfig::default();
     let mut router = Router::new(config).unwrap();
