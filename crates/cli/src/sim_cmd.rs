@@ -144,16 +144,21 @@ fn workload(args: &SimArgs) -> anyhow::Result<WorkloadSpec> {
     workload_spec(&args.workload)
 }
 
+/// Reads `--profile` (JSON, or TOML by extension).
+fn read_profile(path: &std::path::Path) -> anyhow::Result<Profile> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(if path.extension().is_some_and(|e| e == "toml") {
+        Profile::from_toml_str(&text)?
+    } else {
+        Profile::from_json_str(&text)?
+    })
+}
+
 fn engine_template(args: &SimArgs) -> anyhow::Result<EngineConfig> {
     let mut engine = default_engine();
     if let Some(path) = &args.profile {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        engine.profile = if path.extension().is_some_and(|e| e == "toml") {
-            Profile::from_toml_str(&text)?
-        } else {
-            Profile::from_json_str(&text)?
-        };
+        engine.profile = read_profile(path)?;
     }
     if let Some(v) = args.num_gpu_blocks {
         engine.num_gpu_blocks = v;
@@ -257,11 +262,7 @@ fn run_suite(args: &SimArgs) -> anyhow::Result<()> {
         jobs: args.suite_jobs.max(1),
         router: router_settings(args)?,
         client_max_tokens: args.client_max_tokens,
-        profile: args
-            .profile
-            .is_some()
-            .then(|| engine_template(args).map(|e| e.profile))
-            .transpose()?,
+        profile: args.profile.as_deref().map(read_profile).transpose()?,
     };
     let started = std::time::Instant::now();
     let results = switchyard_sim::suite::run_suite(&options, &|line| eprintln!("{line}"))?;

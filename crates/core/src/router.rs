@@ -1062,10 +1062,10 @@ impl Router {
         instance.load.running_requests += 1;
         self.pending_inserts[record.instance.slot as usize].remove(&record.pending_key);
         // The fixed part is at most half of a first token that had `min_sample_tokens` of
-        // prefill to do: on a small model's fast engine such first tokens come in 5-15 ms, and
+        // prefill to do: on a small model's fast engine such first tokens come in 11-20 ms, and
         // the whole 10 ms prior taken off them turned a 285k tokens/s engine's samples into
         // millions, clamped, and the learned speed with them (the suite's long-tail workload on
-        // a 1B profile: mean TTFT 1.87x the best baseline's, 0.96x with this bound).
+        // a 1B profile: mean TTFT 1.78x the best baseline's, 0.95x with this bound).
         let observed_s = now - record.routed_at;
         let elapsed = observed_s - e.ttft_overhead_s.min(observed_s / 2.0);
         if record.learns_speed && record.work_tokens >= e.min_sample_tokens && elapsed > 0.0 {
