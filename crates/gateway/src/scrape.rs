@@ -264,7 +264,8 @@ fn vllm(text: &str) -> Option<EngineMetrics> {
                     .and_then(|v| v.parse::<u64>().ok());
                 let size = s.label("block_size").and_then(|v| v.parse::<u64>().ok());
                 if let (Some(b), Some(z)) = (blocks, size) {
-                    capacity = Some(capacity.unwrap_or(0) + b * z);
+                    // Engine-supplied labels: absurd values saturate instead of overflowing.
+                    capacity = Some(capacity.unwrap_or(0).saturating_add(b.saturating_mul(z)));
                 }
             }
             _ => {}
@@ -307,6 +308,16 @@ vllm:prefix_cache_hits_total{model_name="m"} 5
         assert_eq!(m.waiting_adapters, vec!["c"]);
         assert_eq!(m.max_adapters, Some(2));
         assert_eq!(m.kv_capacity_tokens, Some(16000));
+    }
+
+    #[test]
+    fn absurd_cache_config_labels_saturate_instead_of_overflowing() {
+        // Found by the prometheus_text fuzz target: block_size × num_gpu_blocks overflowed u64.
+        let text = "vllm:num_requests_running 1\n\
+                    vllm:cache_config_info{block_size=\"18446744073709551615\",num_gpu_blocks=\"2\"} 1\n\
+                    vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"18446744073709551615\"} 1\n";
+        let m = engine_metrics(text, EngineKind::Vllm).1.unwrap();
+        assert_eq!(m.kv_capacity_tokens, Some(u64::MAX));
     }
 
     #[test]
