@@ -846,23 +846,30 @@ mod tests {
             let mut p = Planner::new(cfg);
             let (mut fleet, adapters) = build(&s);
             let initial: Vec<usize> = fleet.iter().map(|i| i.adapters.len()).collect();
-            let mut last_action = None;
             let horizon = 600;
+            let settled = horizon - 200;
+            let mut late: BTreeMap<String, Vec<u32>> = BTreeMap::new();
             for tick in 0..horizon {
                 let now = f64::from(tick);
                 for (a, ad) in adapters.iter().enumerate() {
                     feed(&mut p, &ad.name, rates[a], now - 1.0, now);
                 }
                 let plan = checked_plan(&mut p, &mut fleet, &adapters, &initial, now)?;
-                if !plan.is_empty() {
-                    last_action = Some(tick);
+                if tick >= settled {
+                    for a in &plan {
+                        late.entry(a.adapter().to_string()).or_default().push(tick);
+                    }
                 }
             }
-            // Demand settles within ~10 half-lives (50 s); every adapter's holder count then
-            // only moves towards the band, so the changes stop well before the horizon.
+            // Demand settles within ~10 half-lives (50 s) and every adapter's holder count then
+            // only moves towards the band, so the plan falls quiet. The one exception is a rate
+            // within the estimator's ripple (each request adds ln 2 / half-life) of a threshold:
+            // as the arrivals' phase drifts against the ticks it may cross once, late (seen:
+            // 1.0011 requests/s on two holders crossing scale_down_rps at tick 457). Once, not
+            // back and forth: more than one late action on an adapter is an oscillation.
             prop_assert!(
-                last_action.is_none_or(|t| t < horizon - 200),
-                "still acting at tick {last_action:?}: {fleet:?}"
+                late.values().all(|ticks| ticks.len() <= 1),
+                "still acting after tick {settled}: {late:?}, {fleet:?}"
             );
         }
     }
