@@ -177,6 +177,14 @@ pub struct Learned {
     pub max_running: Option<u32>,
     /// How often every sequence slot is taken (a newcomer would wait for one).
     pub slot_pressure: SlotPressure,
+    /// Tokens/s read off first tokens with less than `min_sample_tokens` of work (a moving
+    /// average from the prior): mostly a step's time, not a prefill's, so never a speed itself;
+    /// what it says is
+    /// how this instance compares with the others, until it gives a full sample (the `cost` policy's
+    /// priced speed).
+    pub short_speed: f64,
+    /// First tokens behind `short_speed`.
+    pub short_samples: u32,
 }
 
 /// The share of recent time an instance had every sequence slot taken. Prefill work added there
@@ -556,6 +564,8 @@ mod tests {
             speed_samples: 0,
             max_running: None,
             slot_pressure: SlotPressure::default(),
+            short_speed: 0.0,
+            short_samples: 0,
         }
     }
 

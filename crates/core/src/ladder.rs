@@ -104,6 +104,8 @@ mod tests {
             speed_samples: 0,
             max_running: None,
             slot_pressure: Default::default(),
+            short_speed: 0.0,
+            short_samples: 0,
         }
     }
 

@@ -182,6 +182,57 @@ fn a_fast_engine_does_not_teach_a_speed_from_its_first_tokens_minus_the_whole_fi
     );
 }
 
+/// Sends `n` short prompts to each instance in turn, each answered after that instance's
+/// first-token time; returns the time after the last.
+fn short_prompts(router: &mut Router, ids: &[InstanceId], first_token_s: &[f64], n: u64) -> f64 {
+    let mut now = 0.0;
+    for k in 0..n {
+        for (i, (&id, &ttft)) in ids.iter().zip(first_token_s).enumerate() {
+            let rid = k * ids.len() as u64 + i as u64;
+            let text = prompt(&format!("chat {rid} "), 100, rid);
+            send_to(router, rid, &RouteRequest::text("m", &text), id, now);
+            finish(router, rid, now + ttft);
+            now += 1.0;
+        }
+    }
+    now
+}
+
+#[test]
+fn short_prompts_tell_a_slow_engine_from_a_fast_one() {
+    // Chat with short prompts never gives a full speed sample (512 tokens of work), so both
+    // instances keep the prior speed; their first tokens, 20 ms against 60 ms, still show one
+    // engine about 4x slower, and a new prompt goes to the fast one.
+    let (mut router, ids) = router("cost", 2);
+    let now = short_prompts(&mut router, &ids, &[0.02, 0.06], 30);
+    let (fast, slow) = (
+        router.learned(ids[0]).unwrap(),
+        router.learned(ids[1]).unwrap(),
+    );
+    assert_eq!((fast.speed_samples, slow.speed_samples), (0, 0));
+    assert!(
+        fast.short_speed > 2.0 * slow.short_speed,
+        "{fast:?} {slow:?}"
+    );
+    let text = prompt("a new chat ", 100, 999);
+    let decision = router.route(&RouteRequest::text("m", &text), now).unwrap();
+    let prefill = |i: InstanceId| decision.candidate(i).unwrap().terms.prefill_s;
+    assert!(prefill(ids[1]) > 2.0 * prefill(ids[0]), "{decision:?}");
+    assert_eq!(decision.best(), Some(ids[0]));
+}
+
+#[test]
+fn short_prompts_on_one_kind_of_engine_leave_the_speeds_alone() {
+    // The same engine answering in 40 or 50 ms (a step's phase, a batch): inside the noise
+    // band, both are priced at the pool's speed.
+    let (mut router, ids) = router("cost", 2);
+    let now = short_prompts(&mut router, &ids, &[0.04, 0.05], 30);
+    let text = prompt("a new chat ", 100, 999);
+    let decision = router.route(&RouteRequest::text("m", &text), now).unwrap();
+    let prefill = |i: InstanceId| decision.candidate(i).unwrap().terms.prefill_s;
+    assert_eq!(prefill(ids[0]), prefill(ids[1]));
+}
+
 #[test]
 fn cost_prefers_a_resident_adapter_and_guards_against_thrashing() {
     let config = RouterConfig::default();

@@ -229,8 +229,19 @@ fn price_last_copy_evictions(
 const SAME_SPEED_FACTOR: f64 = 2.0;
 
 /// The speed an instance is priced at: its own when it differs from the pool's beyond noise.
+/// An instance that has given no full speed sample (short prompts, long answers) is its prior
+/// scaled by how its short first tokens compare with the pool's: those measure a step more than
+/// a prefill, so only the ratio is trusted (on one kind of engine it stays inside the noise
+/// band; an engine of another generation shows its 2-4x).
 fn priced_speed(ctx: &ScoringContext<'_>, instance: &Instance) -> f64 {
-    let (own, pool) = (instance.learned.prefill_tokens_per_s, ctx.pool_speed);
+    let learned = &instance.learned;
+    let own =
+        if learned.speed_samples == 0 && learned.short_samples > 0 && ctx.pool_short_speed > 0.0 {
+            learned.prefill_tokens_per_s * learned.short_speed / ctx.pool_short_speed
+        } else {
+            learned.prefill_tokens_per_s
+        };
+    let pool = ctx.pool_speed;
     if pool > 0.0 && own <= pool * SAME_SPEED_FACTOR && own * SAME_SPEED_FACTOR >= pool {
         pool
     } else {

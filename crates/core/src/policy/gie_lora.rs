@@ -140,6 +140,8 @@ mod tests {
             speed_samples: 0,
             max_running: None,
             slot_pressure: Default::default(),
+            short_speed: 0.0,
+            short_samples: 0,
         };
         let id = fleet.add(spec, learned).unwrap();
         let mut i = fleet.remove(id).unwrap();

@@ -57,6 +57,9 @@ pub struct ScoringContext<'a> {
     /// Median learned prefill speed of the model's pool (its first instances; 0: unknown), the
     /// reference that tells noise from a real difference between instances.
     pub pool_speed: f64,
+    /// Median short-prompt speed of the same pool (0: unknown): what an instance without a full
+    /// speed sample is compared against.
+    pub pool_short_speed: f64,
 }
 
 impl ScoringContext<'_> {
