@@ -333,7 +333,7 @@ impl Router {
             speed_samples: 0,
             max_running: None,
             slot_pressure: Default::default(),
-            short_speed: 0.0,
+            short_speed: spec.prefill_tokens_per_s.unwrap_or(e.prefill_tokens_per_s),
             short_samples: 0,
         }
     }
@@ -657,38 +657,29 @@ impl Router {
     /// Median learned prefill speed over the model's first [`POOL_SAMPLE`] instances: the same
     /// set whether the decision scores every instance or a shortlist, and bounded work.
     fn pool_speed(&self, model: &str) -> f64 {
+        self.pool_median(model, |l| Some(l.prefill_tokens_per_s))
+    }
+
+    /// Median `short_speed` over the same instances, of those that have one (0: none).
+    fn pool_short_speed(&self, model: &str) -> f64 {
+        self.pool_median(model, |l| (l.short_samples > 0).then_some(l.short_speed))
+    }
+
+    /// Median of what `value` gives for the model's first [`POOL_SAMPLE`] instances (0: none).
+    fn pool_median(&self, model: &str, value: impl Fn(&Learned) -> Option<f64>) -> f64 {
         // A fixed array: this runs on every decision, and allocates nothing.
-        let mut speeds = [0.0f64; POOL_SAMPLE];
+        let mut values = [0.0f64; POOL_SAMPLE];
         let mut n = 0;
         for &slot in self.fleet.serving(model).iter().take(POOL_SAMPLE) {
-            if let Some(instance) = self.fleet.by_slot(slot) {
-                speeds[n] = instance.learned.prefill_tokens_per_s;
+            if let Some(v) = self.fleet.by_slot(slot).and_then(|i| value(&i.learned)) {
+                values[n] = v;
                 n += 1;
             }
         }
         if n == 0 {
             return 0.0;
         }
-        let (_, median, _) = speeds[..n].select_nth_unstable_by(n / 2, f64::total_cmp);
-        *median
-    }
-
-    /// Median `short_speed` of the model's pool (its first instances with one; 0: none).
-    fn pool_short_speed(&self, model: &str) -> f64 {
-        let mut speeds = [0.0f64; POOL_SAMPLE];
-        let mut n = 0;
-        for &slot in self.fleet.serving(model).iter().take(POOL_SAMPLE) {
-            if let Some(instance) = self.fleet.by_slot(slot) {
-                if instance.learned.short_samples > 0 {
-                    speeds[n] = instance.learned.short_speed;
-                    n += 1;
-                }
-            }
-        }
-        if n == 0 {
-            return 0.0;
-        }
-        let (_, median, _) = speeds[..n].select_nth_unstable_by(n / 2, f64::total_cmp);
+        let (_, median, _) = values[..n].select_nth_unstable_by(n / 2, f64::total_cmp);
         *median
     }
 
@@ -1107,12 +1098,7 @@ impl Router {
                 // From the prior, as the full speed moves, not warm-started: a warm start takes
                 // the first few samples, each a step's phase off, at face value (a mixed fleet's
                 // short-prompt chat: ITL p99 1.35x the best baseline's warm, 0.97x this way).
-                let from = if learned.short_samples == 0 {
-                    prior
-                } else {
-                    learned.short_speed
-                };
-                learned.short_speed = ewma(from, sample, e.learning_rate);
+                learned.short_speed = ewma(learned.short_speed, sample, e.learning_rate);
                 learned.short_samples = learned.short_samples.saturating_add(1);
             }
         }
