@@ -292,6 +292,18 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_mixed_fleet_has_two_kinds_of_engine() {
+        let f =
+            FleetFile::from_json_str(include_str!("../../../bench/fleets/mixed-h100-a100.json"))
+                .unwrap();
+        let counts: Vec<u32> = f.groups.iter().map(|g| g.count).collect();
+        assert_eq!(counts, [4, 4]);
+        let (fast, slow) = (&f.groups[0].engine.profile, &f.groups[1].engine.profile);
+        assert!(slow.step_base_s > 2.0 * fast.step_base_s);
+        assert!(slow.prefill_s_per_token > 2.0 * fast.prefill_s_per_token);
+    }
+
+    #[test]
     fn defaults_validate_and_bad_values_are_refused() {
         SimConfig::default().validate().unwrap();
         let c = SimConfig {
