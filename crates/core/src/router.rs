@@ -218,6 +218,15 @@ fn ewma(current: f64, sample: f64, rate: f64) -> f64 {
 /// A moving average that starts as the plain mean of its first samples (`samples` taken so far)
 /// until it has seen its window: a prior far from the engine's figure (a 10 s service time for a
 /// model that answers in 50 ms) would otherwise steer the first hundred decisions.
+/// The (upper) median of `values`, reordering them; 0 for none.
+fn median(values: &mut [f64]) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mid = values.len() / 2;
+    *values.select_nth_unstable_by(mid, f64::total_cmp).1
+}
+
 fn warm_ewma(current: f64, sample: f64, rate: f64, samples: u32) -> f64 {
     ewma(current, sample, rate.max(1.0 / (f64::from(samples) + 1.0)))
 }
@@ -555,6 +564,7 @@ impl Router {
         } else {
             Stage::Unified
         };
+        let (pool_speed, pool_short_speed) = self.pool_speeds(request.model);
         let ctx = ScoringContext {
             now,
             request,
@@ -564,8 +574,8 @@ impl Router {
             bytes_per_token: self.bytes_per_token,
             output_share: self.output_share(),
             stage,
-            pool_speed: self.pool_speed(request.model),
-            pool_short_speed: self.pool_short_speed(request.model),
+            pool_speed,
+            pool_short_speed,
         };
         self.policy.score(&ctx, &mut candidates, &mut self.rng);
         let memo = self.policy.memo();
@@ -654,33 +664,26 @@ impl Router {
         (self.output_tokens_seen / self.output_budget_seen).clamp(1e-3, 1e3)
     }
 
-    /// Median learned prefill speed over the model's first [`POOL_SAMPLE`] instances: the same
-    /// set whether the decision scores every instance or a shortlist, and bounded work.
-    fn pool_speed(&self, model: &str) -> f64 {
-        self.pool_median(model, |l| Some(l.prefill_tokens_per_s))
-    }
-
-    /// Median `short_speed` over the same instances, of those that have one (0: none).
-    fn pool_short_speed(&self, model: &str) -> f64 {
-        self.pool_median(model, |l| (l.short_samples > 0).then_some(l.short_speed))
-    }
-
-    /// Median of what `value` gives for the model's first [`POOL_SAMPLE`] instances (0: none).
-    fn pool_median(&self, model: &str, value: impl Fn(&Learned) -> Option<f64>) -> f64 {
-        // A fixed array: this runs on every decision, and allocates nothing.
-        let mut values = [0.0f64; POOL_SAMPLE];
-        let mut n = 0;
+    /// Median learned prefill speed and median `short_speed` (of the instances that have one)
+    /// over the model's first [`POOL_SAMPLE`] instances, 0 where there is none: the same set
+    /// whether the decision scores every instance or a shortlist, one pass, bounded work.
+    fn pool_speeds(&self, model: &str) -> (f64, f64) {
+        // Fixed arrays: this runs on every decision, and allocates nothing.
+        let mut speeds = [0.0f64; POOL_SAMPLE];
+        let mut shorts = [0.0f64; POOL_SAMPLE];
+        let (mut n, mut m) = (0, 0);
         for &slot in self.fleet.serving(model).iter().take(POOL_SAMPLE) {
-            if let Some(v) = self.fleet.by_slot(slot).and_then(|i| value(&i.learned)) {
-                values[n] = v;
+            if let Some(instance) = self.fleet.by_slot(slot) {
+                let learned = &instance.learned;
+                speeds[n] = learned.prefill_tokens_per_s;
                 n += 1;
+                if learned.short_samples > 0 {
+                    shorts[m] = learned.short_speed;
+                    m += 1;
+                }
             }
         }
-        if n == 0 {
-            return 0.0;
-        }
-        let (_, median, _) = values[..n].select_nth_unstable_by(n / 2, f64::total_cmp);
-        *median
+        (median(&mut speeds[..n]), median(&mut shorts[..m]))
     }
 
     fn saturation(&self, instance: &Instance, now: f64) -> Option<Exclusion> {
