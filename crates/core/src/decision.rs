@@ -84,7 +84,7 @@ pub struct Candidate {
     #[serde(skip)]
     pub(crate) key: f64,
     /// Orders a near tie before chance does: the KV tokens the instance will hold for its
-    /// requests in flight (0 when the policy does not say).
+    /// requests in flight (0 when the policy does not say; `u64::MAX` sorts after every other value).
     #[serde(skip)]
     pub(crate) tie_load: u64,
 }
@@ -203,9 +203,14 @@ impl Decision {
         let mut parts = Vec::new();
         for c in self.ranked_candidates().take(top) {
             let t = &c.terms;
+            // What orders a near tie where the request would start at once.
+            let held = match c.tie_load {
+                0 | u64::MAX => String::new(),
+                kv => format!(" kv_held={kv}"),
+            };
             parts.push(format!(
                 "{} score={:.4} wait={:.4} prefill={:.4} adapter={:.3} transfer={:.4} \
-                 protect={:.4} cached={} uncached={}",
+                 protect={:.4} cached={} uncached={}{}",
                 name(c.instance),
                 c.score,
                 t.wait_s,
@@ -214,7 +219,8 @@ impl Decision {
                 t.transfer_s,
                 t.decode_penalty_s + t.kv_penalty_s + t.cache_room_s,
                 t.cached_tokens,
-                t.uncached_tokens
+                t.uncached_tokens,
+                held
             ));
         }
         let excluded = self.candidates.len() - self.eligible;

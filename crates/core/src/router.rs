@@ -1405,7 +1405,14 @@ fn near_ties(head: &mut [Candidate], tie: Tie, rng: &mut SmallRng) {
         // instances holding the least KV for their requests in flight (the decode batch the
         // request joins, whose attention sets its inter-token time), then chance.
         let behind = u64::from(c.terms.cached_tokens < most_cached) << 63;
-        let load = c.tie_load.min((1 << 31) - 1) << 32;
+        // Holders of the prompt keep a random order among themselves: ordered by load as
+        // well, the suite's conversation trace lost (mooncake knee ITL p99 0.64 -> 0.98x the
+        // best baseline's, docs/results.md).
+        let load = if most_cached > 0 {
+            0
+        } else {
+            c.tie_load.min((1 << 31) - 1) << 32
+        };
         c.tie = behind | load | (rng.random::<u64>() >> 32);
     }
 }

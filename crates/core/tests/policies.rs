@@ -131,6 +131,94 @@ fn cost_breaks_a_tie_toward_the_instance_holding_the_prompt() {
     }
 }
 
+/// Puts a request on `at` (whatever the policy would say) and, if `decoding`, starts its
+/// answer.
+fn place(
+    router: &mut Router,
+    id: u64,
+    at: InstanceId,
+    request: &RouteRequest<'_>,
+    decoding: bool,
+    now: f64,
+) {
+    let decision = router.route(request, now).unwrap();
+    let plan = decision.plan_for(at);
+    router
+        .observe(
+            Observation::Routed {
+                request: RequestId(id),
+                instance: at,
+                plan,
+            },
+            now,
+        )
+        .unwrap();
+    if decoding {
+        router
+            .observe(Observation::FirstToken(RequestId(id)), now)
+            .unwrap();
+    }
+}
+
+#[test]
+fn cost_sends_a_new_prompt_to_the_lighter_batch_among_instances_that_start_it_at_once() {
+    let (mut router, ids) = router("cost", 2);
+    // One request decoding on each instance: a long conversation with a long answer on the
+    // first, a short one on the second. Neither queues anything, so a new prompt ties.
+    let long = prompt("a long conversation. ", 3000, 1);
+    let long = RouteRequest {
+        max_tokens: 1000,
+        ..RouteRequest::text("m", &long)
+    };
+    place(&mut router, 1, ids[0], &long, true, 0.0);
+    let short = RouteRequest {
+        max_tokens: 50,
+        ..RouteRequest::text("m", "a short one")
+    };
+    place(&mut router, 2, ids[1], &short, true, 0.0);
+    // Chance would send half of these to the first instance, where every step attends over
+    // the long context.
+    for i in 0..20 {
+        let text = format!("a new conversation, number {i}, nothing shared with the others");
+        let decision = router.route(&RouteRequest::text("m", &text), 0.1).unwrap();
+        assert_eq!(decision.best(), Some(ids[1]), "{}", decision.explain(2));
+    }
+    let explained = router
+        .route(&RouteRequest::text("m", "one more new prompt"), 0.1)
+        .unwrap()
+        .explain(2);
+    assert!(explained.contains("kv_held="), "{explained}");
+}
+
+#[test]
+fn cost_does_not_order_a_tie_by_the_batch_of_an_instance_with_a_queue() {
+    let (mut router, ids) = router("cost", 2);
+    let long = prompt("a long conversation. ", 3000, 1);
+    let long = RouteRequest {
+        max_tokens: 1000,
+        ..RouteRequest::text("m", &long)
+    };
+    place(&mut router, 1, ids[0], &long, true, 0.0);
+    // The second instance holds less KV, but a short prompt waits there for its prefill:
+    // within the tie tolerance, yet a newcomer would queue behind it, by when its batch
+    // will have changed.
+    let queued = RouteRequest::text("m", "a short prompt still waiting for its prefill");
+    place(&mut router, 2, ids[1], &queued, false, 0.0);
+    let mut seen = BTreeMap::new();
+    for i in 0..20 {
+        let text = format!("a new conversation, number {i}, nothing shared with the others");
+        let decision = router.route(&RouteRequest::text("m", &text), 0.1).unwrap();
+        let candidates = decision.eligible_candidates();
+        assert!(
+            (candidates[0].score - candidates[1].score).abs() < 0.002,
+            "the estimates tie: {}",
+            decision.explain(2)
+        );
+        *seen.entry(decision.best().unwrap()).or_insert(0) += 1;
+    }
+    assert_eq!(seen.get(&ids[0]), Some(&20), "{seen:?}");
+}
+
 #[test]
 fn cost_learns_a_slow_instance_and_moves_away_from_it() {
     let (mut router, ids) = router("cost", 2);
