@@ -160,17 +160,23 @@ fn place(
     }
 }
 
-#[test]
-fn cost_sends_a_new_prompt_to_the_lighter_batch_among_instances_that_start_it_at_once() {
+/// Two `cost` instances, the first decoding a 3,000-token conversation with a long answer.
+fn cost_with_a_long_conversation_decoding_on_the_first() -> (Router, Vec<InstanceId>) {
     let (mut router, ids) = router("cost", 2);
-    // One request decoding on each instance: a long conversation with a long answer on the
-    // first, a short one on the second. Neither queues anything, so a new prompt ties.
     let long = prompt("a long conversation. ", 3000, 1);
     let long = RouteRequest {
         max_tokens: 1000,
         ..RouteRequest::text("m", &long)
     };
     place(&mut router, 1, ids[0], &long, true, 0.0);
+    (router, ids)
+}
+
+#[test]
+fn cost_sends_a_new_prompt_to_the_lighter_batch_among_instances_that_start_it_at_once() {
+    // One request decoding on each instance: a long conversation with a long answer on the
+    // first, a short one on the second. Neither queues anything, so a new prompt ties.
+    let (mut router, ids) = cost_with_a_long_conversation_decoding_on_the_first();
     let short = RouteRequest {
         max_tokens: 50,
         ..RouteRequest::text("m", "a short one")
@@ -192,13 +198,7 @@ fn cost_sends_a_new_prompt_to_the_lighter_batch_among_instances_that_start_it_at
 
 #[test]
 fn cost_does_not_order_a_tie_by_the_batch_of_an_instance_with_a_queue() {
-    let (mut router, ids) = router("cost", 2);
-    let long = prompt("a long conversation. ", 3000, 1);
-    let long = RouteRequest {
-        max_tokens: 1000,
-        ..RouteRequest::text("m", &long)
-    };
-    place(&mut router, 1, ids[0], &long, true, 0.0);
+    let (mut router, ids) = cost_with_a_long_conversation_decoding_on_the_first();
     // The second instance holds less KV, but a short prompt waits there for its prefill:
     // within the tie tolerance, yet a newcomer would queue behind it, by when its batch
     // will have changed.
