@@ -1,7 +1,8 @@
 //! Cost of the exact index's inputs: decoding one KV event batch as vLLM publishes it
 //! (`kv_events::wire`), per layout (one engine step's `BlockStored` of 16 blocks of 16 tokens
-//! plus a `BlockRemoved` of 16 blocks), and tokenizing a 1,000-token text prompt with the
-//! emulator's tokenizer.json (`tokenize`).
+//! plus a `BlockRemoved` of 16 blocks), and tokenizing prompts of 1k, 2k and 32k tokens with
+//! the emulator's tokenizer.json (`tokenize`): the tokenizers crate alone, a prompt seen for
+//! the first time and again, and chat conversations, whole and turn after turn.
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use switchyard_emulator::kv_events::{encode_batch, Format, WireEvent};
@@ -44,27 +45,80 @@ fn batches(c: &mut Criterion) {
     }
 }
 
-fn tokenize(c: &mut Criterion) {
+/// Writes `tokenizer` and `config` to a directory and loads them with `cache_bytes` of piece
+/// cache.
+fn load(
+    tokenizer: &str,
+    config: &str,
+    cache_bytes: usize,
+) -> switchyard_gateway::tokenize::Tokenizers {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tokenizer.json");
-    std::fs::write(&path, switchyard_emulator::tokenizer_json::tokenizer_json()).unwrap();
-    std::fs::write(
-        dir.path().join("tokenizer_config.json"),
-        switchyard_emulator::tokenizer_json::tokenizer_config_json(),
-    )
-    .unwrap();
+    std::fs::write(&path, tokenizer).unwrap();
+    std::fs::write(dir.path().join("tokenizer_config.json"), config).unwrap();
     let files = std::collections::BTreeMap::from([("m".to_string(), path)]);
-    let tokenizers = switchyard_gateway::tokenize::Tokenizers::load(&files).unwrap();
-    drop(dir);
+    switchyard_gateway::tokenize::Tokenizers::load_with_cache(&files, cache_bytes).unwrap()
+}
+
+/// The emulator's tokenizer with ChatML's special tokens and template, as a chat model's
+/// tokenizer has them: the template writes `<|im_start|>` and `<|im_end|>` around every
+/// message, so each message is a piece of its own.
+fn chatml() -> (String, String) {
+    let mut json: serde_json::Value =
+        serde_json::from_str(&switchyard_emulator::tokenizer_json::tokenizer_json()).unwrap();
+    json["added_tokens"] = ["<|im_start|>", "<|im_end|>"]
+        .iter()
+        .enumerate()
+        .map(|(i, content)| {
+            serde_json::json!({"id": 1 + i, "content": content, "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\
+                    {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let config = serde_json::json!({"chat_template": template}).to_string();
+    (json.to_string(), config)
+}
+
+fn tokenize(c: &mut Criterion) {
+    let emulator = switchyard_emulator::tokenizer_json::tokenizer_json();
+    let emulator_config = switchyard_emulator::tokenizer_json::tokenizer_config_json();
+    let hf: tokenizers::Tokenizer = emulator.parse().unwrap();
+    // No piece cache: every prompt costs what a first-seen one does.
+    let uncached = load(&emulator, &emulator_config, 0);
+    let cached = load(&emulator, &emulator_config, 64 << 20);
+    let (chatml_json, chatml_config) = chatml();
+    let chatml_uncached = load(&chatml_json, &chatml_config, 0);
+    let chatml_cached = load(&chatml_json, &chatml_config, 64 << 20);
     let words: Vec<&str> = switchyard_engine::tokenizer::vocabulary()
         .map(|(w, _)| w)
         .collect();
     let text = |n: usize| -> String { (0..n).map(|i| words[(i * 7) % words.len()]).collect() };
     for n in [1000, 2000, 32_000] {
         let prompt = text(n);
-        c.bench_function(&format!("tokenize_{n}_tokens"), |b| {
+        // The tokenizers crate alone: with offsets (`encode`) and without (`encode_fast`).
+        c.bench_function(&format!("tokenize_{n}_tokens_hf_encode"), |b| {
             b.iter(|| {
-                tokenizers
+                hf.encode(std::hint::black_box(prompt.as_str()), true)
+                    .map(|e| e.len())
+            })
+        });
+        c.bench_function(&format!("tokenize_{n}_tokens_hf_encode_fast"), |b| {
+            b.iter(|| {
+                hf.encode_fast(std::hint::black_box(prompt.as_str()), true)
+                    .map(|e| e.len())
+            })
+        });
+        c.bench_function(&format!("tokenize_{n}_tokens_first_seen"), |b| {
+            b.iter(|| {
+                uncached
+                    .token_ids("m", std::hint::black_box(&prompt))
+                    .map(|ids| ids.len())
+            })
+        });
+        c.bench_function(&format!("tokenize_{n}_tokens_seen_before"), |b| {
+            b.iter(|| {
+                cached
                     .token_ids("m", std::hint::black_box(&prompt))
                     .map(|ids| ids.len())
             })
@@ -78,12 +132,41 @@ fn tokenize(c: &mut Criterion) {
             ("assistant", turn.as_str()),
             ("user", turn.as_str()),
         ];
-        c.bench_function(&format!("tokenize_chat_{n}_tokens"), |b| {
+        c.bench_function(&format!("tokenize_chat_{n}_tokens_first_seen"), |b| {
             b.iter(|| {
-                tokenizers
+                uncached
                     .chat_token_ids("m", std::hint::black_box(&messages))
                     .map(|ids| ids.len())
             })
+        });
+        c.bench_function(&format!("tokenize_chatml_{n}_tokens_first_seen"), |b| {
+            b.iter(|| {
+                chatml_uncached
+                    .chat_token_ids("m", std::hint::black_box(&messages))
+                    .map(|ids| ids.len())
+            })
+        });
+        // The next turn of a conversation: everything but the last message was sent before;
+        // the last one is new every time (a counter spelled in words leads it).
+        let mut turn_number = 0usize;
+        c.bench_function(&format!("tokenize_chatml_{n}_tokens_next_turn"), |b| {
+            b.iter_batched(
+                || {
+                    turn_number += 1;
+                    let mut last: String = (0..4)
+                        .map(|digit| words[turn_number / words.len().pow(digit) % words.len()])
+                        .collect();
+                    last.push_str(&turn);
+                    last
+                },
+                |last| {
+                    let conversation = [messages[0], messages[1], messages[2], ("user", &last)];
+                    chatml_cached
+                        .chat_token_ids("m", std::hint::black_box(&conversation))
+                        .map(|ids| ids.len())
+                },
+                criterion::BatchSize::SmallInput,
+            )
         });
     }
 }

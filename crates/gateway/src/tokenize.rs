@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
+mod pieces;
+
 /// Unknown-token names: a prompt that tokenizes to one of these would not give the engine's
 /// ids, so it is left to the approximate index.
 const UNKNOWN: [&str; 2] = ["[UNK]", "<unk>"];
@@ -37,6 +39,9 @@ struct Loaded {
     unknown: Vec<u32>,
     /// From `tokenizer_config.json` beside it, when it has a chat template.
     chat: Option<ChatTemplate>,
+    /// Piece-by-piece tokenizing with cached pieces, when the tokenizer's pieces are
+    /// independent.
+    pieces: Option<pieces::PieceTokenizer>,
 }
 
 /// A model's chat template, compiled, with the special tokens it may write.
@@ -162,9 +167,18 @@ pub struct Tokenizers {
 impl Tokenizers {
     /// Loads every `model -> tokenizer.json` of the settings.
     pub fn load(files: &BTreeMap<String, PathBuf>) -> Result<Self, TokenizerError> {
+        Self::load_with_cache(files, pieces::CACHE_BYTES)
+    }
+
+    /// As [`Tokenizers::load`], keeping up to `cache_bytes` of tokenized prompt pieces per
+    /// tokenizer (0 keeps none: every prompt is tokenized in full, as the first time).
+    pub fn load_with_cache(
+        files: &BTreeMap<String, PathBuf>,
+        cache_bytes: usize,
+    ) -> Result<Self, TokenizerError> {
         let mut by_model = HashMap::new();
         for (model, path) in files {
-            by_model.insert(model.clone(), load_one(model, path)?);
+            by_model.insert(model.clone(), load_one(model, path, cache_bytes)?);
         }
         Ok(Tokenizers { by_model })
     }
@@ -198,16 +212,18 @@ impl Tokenizers {
 
 impl Loaded {
     fn encode(&self, text: &str, special: bool) -> Option<Vec<u32>> {
-        let encoding = self.tokenizer.encode(text, special).ok()?;
-        let ids = encoding.get_ids();
+        let ids = match &self.pieces {
+            Some(pieces) => pieces.encode(&self.tokenizer, text, special)?,
+            None => pieces::whole(&self.tokenizer, text, special)?,
+        };
         if ids.is_empty() || ids.iter().any(|id| self.unknown.contains(id)) {
             return None;
         }
-        Some(ids.to_vec())
+        Some(ids)
     }
 }
 
-fn load_one(model: &str, path: &Path) -> Result<Loaded, TokenizerError> {
+fn load_one(model: &str, path: &Path, cache_bytes: usize) -> Result<Loaded, TokenizerError> {
     let tokenizer = tokenizers::Tokenizer::from_file(path).map_err(|e| TokenizerError {
         model: model.to_string(),
         path: path.to_path_buf(),
@@ -231,6 +247,7 @@ fn load_one(model: &str, path: &Path) -> Result<Loaded, TokenizerError> {
         Err(e) => return Err(error(format!("{}: {e}", config.display()))),
     };
     Ok(Loaded {
+        pieces: pieces::PieceTokenizer::new(&tokenizer, cache_bytes),
         tokenizer,
         unknown,
         chat,

@@ -1,0 +1,345 @@
+//! Tokenizing a prompt piece by piece, with the pieces' ids remembered.
+//!
+//! A Hugging Face tokenizer cuts the text at its added (special) tokens before anything else
+//! and normalizes, pre-tokenizes and tokenizes each piece on its own; the ids of a prompt are
+//! the concatenation of its pieces' ids, wrapped by the post-processor's special tokens. A
+//! conversation sends its earlier messages again in every turn, between the same special
+//! tokens (`<|eot_id|>`, `<|im_end|>`…), so a bounded cache of the pieces' ids makes a turn
+//! cost the tokenizing of its new messages only, instead of the whole conversation.
+//!
+//! The cut is made exactly as the tokenizer makes it (leftmost-longest match of the added
+//! tokens' text). Tokenizers whose added tokens change the cut with the text around them
+//! (`lstrip`, `rstrip`, `single_word`, or matched after normalization), or that truncate or
+//! pad, are tokenized whole, as before.
+
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+use std::sync::{Arc, Mutex};
+
+use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
+use xxhash_rust::xxh3::Xxh3Default;
+
+/// Bytes of cached pieces (text and ids) per tokenizer: a 32k-token system prompt takes about
+/// 256 KiB, so this holds well over a hundred long conversations' histories.
+pub(super) const CACHE_BYTES: usize = 64 << 20;
+
+/// Pieces shorter than this are tokenized, not looked up: their ids cost less than a lookup
+/// and they would fill the cache with role names and separators.
+const MIN_CACHED_BYTES: usize = 16;
+
+/// Bookkeeping charged per cached piece besides its text and ids.
+const ENTRY_OVERHEAD: usize = 64;
+
+/// How a tokenizer's prompts are cut and what its post-processor adds around one sequence.
+pub(super) struct PieceTokenizer {
+    /// The added tokens' text, matched as the tokenizer matches it.
+    added: AhoCorasick,
+    /// The id of each pattern of `added`.
+    added_ids: Vec<u32>,
+    /// Ids the post-processor puts before and after a single sequence; none when it does
+    /// something else, and then prompts with special tokens are tokenized whole.
+    wrap: Option<(Vec<u32>, Vec<u32>)>,
+    cache: Mutex<Generations>,
+}
+
+/// A piece cache bounded in bytes: new pieces go to the young generation; when it is full the
+/// old one is dropped and the young one becomes old. A piece found in the old generation moves
+/// back to the young one, so pieces in use survive and memory stays under two generations.
+struct Generations {
+    young: Pieces,
+    old: Pieces,
+    young_bytes: usize,
+    /// Bytes both generations may hold together.
+    budget: usize,
+}
+
+/// Piece text -> ids, hashed with xxh3 (a long piece hashes at memory speed).
+type Pieces = HashMap<Box<str>, Arc<[u32]>, BuildHasherDefault<Xxh3Default>>;
+
+fn entry_bytes(text: &str, ids: &[u32]) -> usize {
+    text.len() + std::mem::size_of_val(ids) + ENTRY_OVERHEAD
+}
+
+impl Generations {
+    fn new(budget: usize) -> Generations {
+        Generations {
+            young: Pieces::default(),
+            old: Pieces::default(),
+            young_bytes: 0,
+            budget,
+        }
+    }
+
+    fn get(&mut self, text: &str) -> Option<Arc<[u32]>> {
+        if let Some(ids) = self.young.get(text) {
+            return Some(ids.clone());
+        }
+        let (text, ids) = self.old.remove_entry(text)?;
+        self.insert(text, ids.clone());
+        Some(ids)
+    }
+
+    fn insert(&mut self, text: Box<str>, ids: Arc<[u32]>) {
+        let bytes = entry_bytes(&text, &ids);
+        if bytes > self.budget / 2 {
+            return;
+        }
+        if self.young_bytes + bytes > self.budget / 2 {
+            self.old = std::mem::take(&mut self.young);
+            self.young_bytes = 0;
+        }
+        self.young_bytes += bytes;
+        self.young.insert(text, ids);
+    }
+}
+
+impl PieceTokenizer {
+    /// The piece tokenizer of `tokenizer`, caching up to `budget` bytes; none when its pieces
+    /// are not independent.
+    pub(super) fn new(tokenizer: &tokenizers::Tokenizer, budget: usize) -> Option<PieceTokenizer> {
+        if tokenizer.get_truncation().is_some() || tokenizer.get_padding().is_some() {
+            return None;
+        }
+        let vocabulary = tokenizer.get_added_vocabulary();
+        if vocabulary.get_encode_special_tokens() {
+            return None;
+        }
+        let mut tokens: Vec<(&str, u32)> = Vec::new();
+        for (id, token) in vocabulary.get_added_tokens_decoder() {
+            if token.lstrip || token.rstrip || token.single_word || token.normalized {
+                return None;
+            }
+            tokens.push((token.content.as_str(), *id));
+        }
+        tokens.sort_unstable();
+        if tokens.windows(2).any(|w| w[0].0 == w[1].0) || tokens.iter().any(|t| t.0.is_empty()) {
+            return None;
+        }
+        let added = AhoCorasickBuilder::new()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(tokens.iter().map(|t| t.0))
+            .ok()?;
+        Some(PieceTokenizer {
+            added,
+            added_ids: tokens.iter().map(|t| t.1).collect(),
+            wrap: wrap(tokenizer),
+            cache: Mutex::new(Generations::new(budget)),
+        })
+    }
+
+    /// The ids `tokenizer` gives `text` (with the post-processor's special tokens when
+    /// `special`); none when the tokenizer fails or this cannot reproduce it.
+    pub(super) fn encode(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        text: &str,
+        special: bool,
+    ) -> Option<Vec<u32>> {
+        let (prefix, suffix) = match (special, &self.wrap) {
+            (false, _) => (&[][..], &[][..]),
+            (true, Some((prefix, suffix))) => (&prefix[..], &suffix[..]),
+            (true, None) => return whole(tokenizer, text, true),
+        };
+        let mut ids = prefix.to_vec();
+        let mut start = 0;
+        for found in self.added.find_iter(text) {
+            self.encode_piece(tokenizer, &text[start..found.start()], &mut ids)?;
+            ids.push(self.added_ids[found.pattern().as_usize()]);
+            start = found.end();
+        }
+        self.encode_piece(tokenizer, &text[start..], &mut ids)?;
+        ids.extend_from_slice(suffix);
+        Some(ids)
+    }
+
+    /// Appends the ids of `piece`, a text without added tokens, to `ids`.
+    fn encode_piece(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        piece: &str,
+        ids: &mut Vec<u32>,
+    ) -> Option<()> {
+        if piece.is_empty() {
+            return Some(());
+        }
+        if piece.len() < MIN_CACHED_BYTES {
+            ids.extend(whole(tokenizer, piece, false)?);
+            return Some(());
+        }
+        // A poisoned lock only means another request panicked mid-lookup; the maps are
+        // still whole.
+        let cached = self.lock().get(piece);
+        let piece_ids = match cached {
+            Some(found) => found,
+            None => {
+                let fresh: Arc<[u32]> = whole(tokenizer, piece, false)?.into();
+                self.lock().insert(piece.into(), fresh.clone());
+                fresh
+            }
+        };
+        ids.extend_from_slice(&piece_ids);
+        Some(())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Generations> {
+        self.cache
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Bytes the cache holds now (both generations), for tests and benches.
+    #[cfg(test)]
+    pub(super) fn cached_bytes(&self) -> usize {
+        let cache = self.lock();
+        cache.young_bytes
+            + cache
+                .old
+                .iter()
+                .map(|(t, ids)| entry_bytes(t, ids))
+                .sum::<usize>()
+    }
+}
+
+/// The tokenizer's own ids for `text`, without offsets (which the router does not use).
+pub(super) fn whole(
+    tokenizer: &tokenizers::Tokenizer,
+    text: &str,
+    special: bool,
+) -> Option<Vec<u32>> {
+    tokenizer
+        .encode_fast(text, special)
+        .ok()
+        .map(|e| e.get_ids().to_vec())
+}
+
+/// The ids the post-processor puts around a single sequence, when it only wraps it: found by
+/// encoding probe texts with and without special tokens, and checked on all of them.
+fn wrap(tokenizer: &tokenizers::Tokenizer) -> Option<(Vec<u32>, Vec<u32>)> {
+    const PROBES: [&str; 3] = ["a", "Hello world", "0 1 2 3\n"];
+    let mut found: Option<(Vec<u32>, Vec<u32>)> = None;
+    for probe in PROBES {
+        let plain = whole(tokenizer, probe, false)?;
+        let with = whole(tokenizer, probe, true)?;
+        let at = (0..=with.len().checked_sub(plain.len())?)
+            .find(|&at| with[at..at + plain.len()] == plain[..])?;
+        let this = (with[..at].to_vec(), with[at + plain.len()..].to_vec());
+        match &found {
+            Some(first) if *first != this => return None,
+            _ => found = Some(this),
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use switchyard_engine::tokenizer::vocabulary;
+
+    /// Added tokens of the test tokenizer, as a chat model's tokenizer has them.
+    const ADDED: [(&str, u32); 4] = [
+        ("<s>", 1),
+        ("<|im_start|>", 2),
+        ("<|im_end|>", 3),
+        ("<|im_end|>x", 4),
+    ];
+
+    /// The emulator's tokenizer with added tokens and a post-processor that puts `<s>` first,
+    /// as Llama's does; `token_flags` adds flags to every added token.
+    fn tokenizer(token_flags: serde_json::Value) -> tokenizers::Tokenizer {
+        let mut json: serde_json::Value =
+            serde_json::from_str(&switchyard_emulator::tokenizer_json::tokenizer_json()).unwrap();
+        json["added_tokens"] = ADDED
+            .iter()
+            .map(|(content, id)| {
+                let mut token = serde_json::json!({"id": id, "content": content,
+                    "single_word": false, "lstrip": false, "rstrip": false,
+                    "normalized": false, "special": true});
+                for (k, v) in token_flags.as_object().unwrap() {
+                    token[k] = v.clone();
+                }
+                token
+            })
+            .collect();
+        json["post_processor"] = serde_json::json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                       {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                     {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}
+        });
+        json.to_string().parse().unwrap()
+    }
+
+    /// Text made of vocabulary words, added tokens and stray characters (the tokenizer's
+    /// unknown pieces, which must come out the same too).
+    fn text(items: &[usize]) -> String {
+        let vocab: Vec<&str> = vocabulary().map(|(w, _)| w).collect();
+        let extra = ["<", "|", ">", "x", " ", "\n", "é", "<|im_", "end|>"];
+        items
+            .iter()
+            .map(|&i| match i % 3 {
+                0 => vocab[i / 3 % vocab.len()],
+                1 => ADDED[i / 3 % ADDED.len()].0,
+                _ => extra[i / 3 % extra.len()],
+            })
+            .collect()
+    }
+
+    proptest! {
+        #[test]
+        fn pieces_give_the_tokenizers_own_ids(
+            turns in proptest::collection::vec(proptest::collection::vec(0usize..600, 0..30), 1..6),
+            special in any::<bool>(),
+        ) {
+            let t = tokenizer(serde_json::json!({}));
+            // A budget small enough that generations turn over within the case.
+            let pieces = PieceTokenizer::new(&t, 4096).unwrap();
+            // Each turn repeats the earlier ones, so later encodes hit the cache.
+            let mut conversation = String::new();
+            for turn in &turns {
+                conversation.push_str(&text(turn));
+                conversation.push_str("<|im_end|>");
+                for _ in 0..2 {
+                    prop_assert_eq!(
+                        pieces.encode(&t, &conversation, special),
+                        whole(&t, &conversation, special)
+                    );
+                }
+                prop_assert!(pieces.cached_bytes() <= 4096);
+            }
+        }
+    }
+
+    #[test]
+    fn tokens_that_change_the_cut_with_their_context_turn_pieces_off() {
+        assert!(PieceTokenizer::new(&tokenizer(serde_json::json!({})), CACHE_BYTES).is_some());
+        for flag in ["lstrip", "rstrip", "single_word", "normalized"] {
+            let t = tokenizer(serde_json::json!({ flag: true }));
+            assert!(PieceTokenizer::new(&t, CACHE_BYTES).is_none(), "{flag}");
+        }
+    }
+
+    #[test]
+    fn the_post_processors_wrap_is_found() {
+        let t = tokenizer(serde_json::json!({}));
+        let pieces = PieceTokenizer::new(&t, CACHE_BYTES).unwrap();
+        assert_eq!(pieces.wrap, Some((vec![1], vec![])));
+        let words: String = vocabulary().take(8).map(|(w, _)| w).collect();
+        let ids = pieces.encode(&t, &words, true).unwrap();
+        assert_eq!(ids[0], 1);
+        assert_eq!(ids, whole(&t, &words, true).unwrap());
+    }
+
+    #[test]
+    fn a_piece_bigger_than_half_the_budget_is_not_kept() {
+        let t = tokenizer(serde_json::json!({}));
+        let pieces = PieceTokenizer::new(&t, 256).unwrap();
+        let words: String = vocabulary().map(|(w, _)| w).collect();
+        assert_eq!(pieces.encode(&t, &words, false), whole(&t, &words, false));
+        assert_eq!(pieces.cached_bytes(), 0);
+    }
+}
