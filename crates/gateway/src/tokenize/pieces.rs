@@ -13,27 +13,22 @@
 //! pad, are tokenized whole, as before.
 
 use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
 use std::sync::{Arc, Mutex};
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
-use xxhash_rust::xxh3::Xxh3Default;
 
 /// Bytes of cached pieces (text and ids) per tokenizer: a 32k-token system prompt takes about
 /// 256 KiB, so this holds well over a hundred long conversations' histories.
 pub(super) const CACHE_BYTES: usize = 64 << 20;
-
-/// Pieces shorter than this are tokenized, not looked up: their ids cost less than a lookup
-/// and they would fill the cache with role names and separators.
-const MIN_CACHED_BYTES: usize = 16;
 
 /// Bookkeeping charged per cached piece besides its text and ids.
 const ENTRY_OVERHEAD: usize = 64;
 
 /// How a tokenizer's prompts are cut and what its post-processor adds around one sequence.
 pub(super) struct PieceTokenizer {
-    /// The added tokens' text, matched as the tokenizer matches it.
-    added: AhoCorasick,
+    /// The added tokens' text, matched as the tokenizer matches it; none without added tokens
+    /// (a search for no pattern still walks the whole text).
+    added: Option<AhoCorasick>,
     /// The id of each pattern of `added`.
     added_ids: Vec<u32>,
     /// Ids the post-processor puts before and after a single sequence; none when it does
@@ -53,8 +48,15 @@ struct Generations {
     budget: usize,
 }
 
-/// Piece text -> ids, hashed with xxh3 (a long piece hashes at memory speed).
-type Pieces = HashMap<Box<str>, Arc<[u32]>, BuildHasherDefault<Xxh3Default>>;
+/// Pieces by the xxh3 hash of their text (hashed once, outside the lock, at memory speed),
+/// with the text kept to tell a collision from a hit.
+type Pieces = HashMap<u64, Piece, rustc_hash::FxBuildHasher>;
+
+/// A cached piece.
+struct Piece {
+    text: Box<str>,
+    ids: Arc<[u32]>,
+}
 
 fn entry_bytes(text: &str, ids: &[u32]) -> usize {
     text.len() + std::mem::size_of_val(ids) + ENTRY_OVERHEAD
@@ -70,17 +72,21 @@ impl Generations {
         }
     }
 
-    fn get(&mut self, text: &str) -> Option<Arc<[u32]>> {
-        if let Some(ids) = self.young.get(text) {
-            return Some(ids.clone());
+    fn get(&mut self, hash: u64, text: &str) -> Option<Arc<[u32]>> {
+        if let Some(piece) = self.young.get(&hash) {
+            return (*piece.text == *text).then(|| piece.ids.clone());
         }
-        let (text, ids) = self.old.remove_entry(text)?;
-        self.insert(text, ids.clone());
+        if self.old.get(&hash).is_none_or(|piece| *piece.text != *text) {
+            return None;
+        }
+        let piece = self.old.remove(&hash)?;
+        let ids = piece.ids.clone();
+        self.insert(hash, piece);
         Some(ids)
     }
 
-    fn insert(&mut self, text: Box<str>, ids: Arc<[u32]>) {
-        let bytes = entry_bytes(&text, &ids);
+    fn insert(&mut self, hash: u64, piece: Piece) {
+        let bytes = entry_bytes(&piece.text, &piece.ids);
         if bytes > self.budget / 2 {
             return;
         }
@@ -89,7 +95,9 @@ impl Generations {
             self.young_bytes = 0;
         }
         self.young_bytes += bytes;
-        self.young.insert(text, ids);
+        // A colliding piece already young keeps its bytes counted until the turnover: an
+        // overcount, never an overrun.
+        self.young.insert(hash, piece);
     }
 }
 
@@ -115,10 +123,15 @@ impl PieceTokenizer {
         if tokens.windows(2).any(|w| w[0].0 == w[1].0) || tokens.iter().any(|t| t.0.is_empty()) {
             return None;
         }
-        let added = AhoCorasickBuilder::new()
-            .match_kind(MatchKind::LeftmostLongest)
-            .build(tokens.iter().map(|t| t.0))
-            .ok()?;
+        let added = if tokens.is_empty() {
+            None
+        } else {
+            let matcher = AhoCorasickBuilder::new()
+                .match_kind(MatchKind::LeftmostLongest)
+                .build(tokens.iter().map(|t| t.0))
+                .ok()?;
+            Some(matcher)
+        };
         Some(PieceTokenizer {
             added,
             added_ids: tokens.iter().map(|t| t.1).collect(),
@@ -142,7 +155,7 @@ impl PieceTokenizer {
         };
         let mut ids = prefix.to_vec();
         let mut start = 0;
-        for found in self.added.find_iter(text) {
+        for found in self.added.iter().flat_map(|added| added.find_iter(text)) {
             self.encode_piece(tokenizer, &text[start..found.start()], &mut ids)?;
             ids.push(self.added_ids[found.pattern().as_usize()]);
             start = found.end();
@@ -162,18 +175,21 @@ impl PieceTokenizer {
         if piece.is_empty() {
             return Some(());
         }
-        if piece.len() < MIN_CACHED_BYTES {
-            ids.extend(whole(tokenizer, piece, false)?);
-            return Some(());
-        }
         // A poisoned lock only means another request panicked mid-lookup; the maps are
         // still whole.
-        let cached = self.lock().get(piece);
+        let hash = xxhash_rust::xxh3::xxh3_64(piece.as_bytes());
+        let cached = self.lock().get(hash, piece);
         let piece_ids = match cached {
             Some(found) => found,
             None => {
                 let fresh: Arc<[u32]> = whole(tokenizer, piece, false)?.into();
-                self.lock().insert(piece.into(), fresh.clone());
+                self.lock().insert(
+                    hash,
+                    Piece {
+                        text: piece.into(),
+                        ids: fresh.clone(),
+                    },
+                );
                 fresh
             }
         };
@@ -194,8 +210,8 @@ impl PieceTokenizer {
         cache.young_bytes
             + cache
                 .old
-                .iter()
-                .map(|(t, ids)| entry_bytes(t, ids))
+                .values()
+                .map(|p| entry_bytes(&p.text, &p.ids))
                 .sum::<usize>()
     }
 }
@@ -332,6 +348,26 @@ mod tests {
         let ids = pieces.encode(&t, &words, true).unwrap();
         assert_eq!(ids[0], 1);
         assert_eq!(ids, whole(&t, &words, true).unwrap());
+    }
+
+    #[test]
+    fn a_hash_collision_is_a_miss_not_someone_elses_ids() {
+        let mut cache = Generations::new(1 << 20);
+        let piece = |text: &str, id: u32| Piece {
+            text: text.into(),
+            ids: vec![id].into(),
+        };
+        cache.insert(7, piece("the first piece", 1));
+        assert_eq!(cache.get(7, "the first piece").as_deref(), Some(&[1][..]));
+        assert_eq!(cache.get(7, "another piece"), None);
+        // In the old generation too.
+        cache.old = std::mem::take(&mut cache.young);
+        assert_eq!(cache.get(7, "another piece"), None);
+        assert_eq!(cache.get(7, "the first piece").as_deref(), Some(&[1][..]));
+        assert!(
+            cache.young.contains_key(&7),
+            "a hit in the old generation moves it back"
+        );
     }
 
     #[test]
