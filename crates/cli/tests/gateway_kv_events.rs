@@ -654,11 +654,16 @@ async fn text_prompts_tokenized_by_the_gateway_predict_cached_tokens_to_the_toke
     until_exact(&c, &gw, &a, "a", 3).await;
     until_exact(&c, &gw, &b, "b", 4).await;
 
-    for round in 0..6u32 {
+    for round in 0..7u32 {
         let holder = if round % 2 == 0 { ("a", &a) } else { ("b", &b) };
-        // Lengths off the block size: the engine holds whole blocks only.
-        let held = words(100 + round, 37 + 5 * round);
+        // Lengths off the block size: the engine holds whole blocks only. The last prompt is
+        // long enough to be tokenized on the blocking pool (`TOKENIZE_ON_POOL_BYTES`).
+        let len = if round == 6 { 4_500 } else { 37 + 5 * round };
+        let held = words(100 + round, len);
         let asked = format!("{held}{}", words(200 + round, 20));
+        if round == 6 {
+            assert!(asked.len() >= switchyard_gateway::state::TOKENIZE_ON_POOL_BYTES);
+        }
         let (decision, reported) = seed_then_route(
             &c,
             &gw,
@@ -667,11 +672,7 @@ async fn text_prompts_tokenized_by_the_gateway_predict_cached_tokens_to_the_toke
             Ask::Prompt(json!(asked)),
         )
         .await;
-        assert_eq!(
-            reported,
-            u64::from((37 + 5 * round) / 16 * 16),
-            "whole blocks"
-        );
+        assert_eq!(reported, u64::from(len / 16 * 16), "whole blocks");
         assert!(
             decision.contains(&format!("cached={reported} ")),
             "round {round}: the engine reported {reported}: {decision}"

@@ -218,7 +218,7 @@ pub async fn route(
     // A short hold of the lock to resolve the name; the prompt is hashed without it.
     let target = gw.registry.lock().target(&parsed.model)?;
     let prompt = target.prepare(parsed, kind, gw.block_bytes);
-    let prompt = gw.tokenize(&target, parsed, kind, prompt);
+    let prompt = gw.tokenize_off_worker(&target, parsed, kind, prompt).await;
     let prepared = Prepared {
         target,
         prompt,

@@ -251,6 +251,10 @@ fn note_fallback(log: &mut FallbackLog, requested: &str, model: &str) {
     }
 }
 
+/// Prompts with this many bytes of text or more are tokenized on the blocking pool (about 4k
+/// tokens: a few milliseconds when the text is new).
+pub const TOKENIZE_ON_POOL_BYTES: usize = 16 << 10;
+
 /// The gateway: everything handlers and background tasks share.
 pub struct Gateway {
     /// Router and backends; held only for route/observe, never across an await.
@@ -267,6 +271,8 @@ pub struct Gateway {
     pub block_bytes: usize,
     /// Tokenizers by model (`--tokenizer`), run in the prepare step, outside the lock.
     pub tokenizers: crate::tokenize::Tokenizers,
+    /// Long prompts tokenized on the blocking pool at once: one per CPU.
+    tokenize_permits: Arc<tokio::sync::Semaphore>,
     /// Request-body bytes held at once over all requests (`--max-body-memory`).
     pub body_budget: crate::body_budget::BodyBudget,
     /// What the dashboard shows beyond the router and the metrics (bounded rings).
@@ -330,6 +336,9 @@ impl Gateway {
             peers,
             block_bytes,
             tokenizers,
+            tokenize_permits: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            )),
             body_budget: crate::body_budget::BodyBudget::new(settings.max_body_memory),
             live: crate::live::Live::default(),
             shutdown: tokio::sync::Notify::new(),
@@ -349,7 +358,8 @@ impl Gateway {
     }
 
     /// Adds the prompt's token ids to `prompt` when a tokenizer is configured for the target
-    /// model and the prompt is one text (`/v1/completions`); runs without the lock.
+    /// model and the prompt is chat messages or one text (`/v1/completions`); runs without the
+    /// lock, on this thread.
     pub fn tokenize(
         &self,
         target: &Target,
@@ -357,26 +367,82 @@ impl Gateway {
         kind: RequestKind,
         prompt: PreparedPrompt,
     ) -> PreparedPrompt {
-        if self.tokenizers.is_empty() || kind != RequestKind::Generate {
+        let Some(input) = self.tokenizer_input(parsed, kind) else {
             return prompt;
+        };
+        match self.tokenizers.ids(&target.model, &input) {
+            Some(ids) => prompt.with_token_ids(ids),
+            None => prompt,
         }
-        let ids = match (&parsed.messages, &parsed.prompt) {
-            (Some(messages), _) => {
-                let messages: Vec<(&str, &str)> = messages
-                    .iter()
-                    .map(|m| (m.role.as_ref(), m.content.as_ref()))
-                    .collect();
-                self.tokenizers.chat_token_ids(&target.model, &messages)
-            }
-            (None, crate::parse::PromptText::Text(t)) => {
-                self.tokenizers.token_ids(&target.model, t)
-            }
-            _ => None,
+    }
+
+    /// As [`Gateway::tokenize`], but a prompt of [`TOKENIZE_ON_POOL_BYTES`] or more is
+    /// tokenized on the blocking thread pool, at most one per CPU at once: tokenizing new text
+    /// takes about a microsecond a token, and milliseconds on an async worker would stall every
+    /// other connection it serves (their streamed tokens included).
+    pub async fn tokenize_off_worker(
+        &self,
+        target: &Target,
+        parsed: &ParsedRequest<'_>,
+        kind: RequestKind,
+        prompt: PreparedPrompt,
+    ) -> PreparedPrompt {
+        let Some(input) = self.tokenizer_input(parsed, kind) else {
+            return prompt;
+        };
+        let ids = if input.bytes() < TOKENIZE_ON_POOL_BYTES {
+            self.tokenizers.ids(&target.model, &input)
+        } else {
+            self.tokenize_on_pool(&target.model, input.to_owned_input())
+                .await
         };
         match ids {
             Some(ids) => prompt.with_token_ids(ids),
             None => prompt,
         }
+    }
+
+    /// What the tokenizer would take of a request; none without tokenizers or a prompt to
+    /// tokenize.
+    fn tokenizer_input<'p>(
+        &self,
+        parsed: &'p ParsedRequest<'_>,
+        kind: RequestKind,
+    ) -> Option<crate::tokenize::Input<&'p str>> {
+        if self.tokenizers.is_empty() || kind != RequestKind::Generate {
+            return None;
+        }
+        match (&parsed.messages, &parsed.prompt) {
+            (Some(messages), _) => Some(crate::tokenize::Input::Chat(
+                messages
+                    .iter()
+                    .map(|m| (m.role.as_ref(), m.content.as_ref()))
+                    .collect(),
+            )),
+            (None, crate::parse::PromptText::Text(t)) => {
+                Some(crate::tokenize::Input::Text(t.as_ref()))
+            }
+            _ => None,
+        }
+    }
+
+    async fn tokenize_on_pool(
+        &self,
+        model: &str,
+        input: crate::tokenize::Input<String>,
+    ) -> Option<Vec<u32>> {
+        // The semaphore is never closed; a request whose future is dropped while waiting
+        // simply leaves the line.
+        let permit = self.tokenize_permits.clone().acquire_owned().await.ok()?;
+        let tokenizers = self.tokenizers.clone();
+        let model = model.to_string();
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            tokenizers.ids(&model, &input)
+        })
+        .await
+        .ok()
+        .flatten()
     }
 
     /// Seconds since the gateway started: the router's clock.

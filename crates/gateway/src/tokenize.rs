@@ -158,10 +158,45 @@ impl ChatTemplate {
     }
 }
 
-/// Tokenizers by served base model.
-#[derive(Default)]
+/// Tokenizers by served base model (cheap to clone: shared).
+#[derive(Default, Clone)]
 pub struct Tokenizers {
-    by_model: HashMap<String, Loaded>,
+    by_model: std::sync::Arc<HashMap<String, Loaded>>,
+}
+
+/// A prompt as the tokenizer takes it: chat messages (role, content) or one text.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input<S> {
+    /// Chat messages, rendered with the model's chat template.
+    Chat(Vec<(S, S)>),
+    /// One text prompt (`/v1/completions`).
+    Text(S),
+}
+
+impl<S: AsRef<str>> Input<S> {
+    /// Bytes of text to tokenize.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Input::Chat(messages) => messages
+                .iter()
+                .map(|(r, c)| r.as_ref().len() + c.as_ref().len())
+                .sum(),
+            Input::Text(t) => t.as_ref().len(),
+        }
+    }
+
+    /// The same input owning its text (to tokenize on another thread).
+    pub fn to_owned_input(&self) -> Input<String> {
+        match self {
+            Input::Chat(messages) => Input::Chat(
+                messages
+                    .iter()
+                    .map(|(r, c)| (r.as_ref().to_string(), c.as_ref().to_string()))
+                    .collect(),
+            ),
+            Input::Text(t) => Input::Text(t.as_ref().to_string()),
+        }
+    }
 }
 
 impl Tokenizers {
@@ -180,7 +215,9 @@ impl Tokenizers {
         for (model, path) in files {
             by_model.insert(model.clone(), load_one(model, path, cache_bytes)?);
         }
-        Ok(Tokenizers { by_model })
+        Ok(Tokenizers {
+            by_model: std::sync::Arc::new(by_model),
+        })
     }
 
     /// Whether any tokenizer is configured.
@@ -202,6 +239,21 @@ impl Tokenizers {
         let text = loaded.chat.as_ref()?.render(messages)?;
         // The template wrote the special tokens itself.
         loaded.encode(&text, false)
+    }
+
+    /// The token ids of `input` for `model` ([`Tokenizers::chat_token_ids`] for messages,
+    /// [`Tokenizers::token_ids`] for a text).
+    pub fn ids<S: AsRef<str>>(&self, model: &str, input: &Input<S>) -> Option<Vec<u32>> {
+        match input {
+            Input::Chat(messages) => {
+                let messages: Vec<(&str, &str)> = messages
+                    .iter()
+                    .map(|(r, c)| (r.as_ref(), c.as_ref()))
+                    .collect();
+                self.chat_token_ids(model, &messages)
+            }
+            Input::Text(t) => self.token_ids(model, t.as_ref()),
+        }
     }
 
     /// Whether `model` has a chat template (for the startup log).
