@@ -132,11 +132,40 @@ impl PieceTokenizer {
                 .ok()?;
             Some(matcher)
         };
-        Some(PieceTokenizer {
+        if depends_on_position(tokenizer) {
+            return None;
+        }
+        let probes: Vec<&str> = tokens.iter().take(4).map(|t| t.0).collect();
+        let pieces = PieceTokenizer {
             added,
             added_ids: tokens.iter().map(|t| t.1).collect(),
             wrap: wrap(tokenizer),
             cache: Mutex::new(Generations::new(budget)),
+        };
+        if !pieces.agrees_on_probes(tokenizer, &probes) {
+            return None;
+        }
+        // The probes' pieces are no prompt's.
+        *pieces.lock() = Generations::new(budget);
+        Some(pieces)
+    }
+
+    /// Whether texts around the added tokens `probes` come out as the tokenizer makes them:
+    /// the check behind the flags, for whatever else in a pipeline could make a piece's ids
+    /// depend on what precedes it.
+    fn agrees_on_probes(&self, tokenizer: &tokenizers::Tokenizer, probes: &[&str]) -> bool {
+        probes.iter().all(|token| {
+            [
+                format!("Hello world{token}Hello world"),
+                format!("{token} a\n\nb {token}c{token}"),
+                format!("x  {token}  y\n"),
+            ]
+            .iter()
+            .all(|text| {
+                [false, true].iter().all(|&special| {
+                    self.encode(tokenizer, text, special) == whole(tokenizer, text, special)
+                })
+            })
         })
     }
 
@@ -214,6 +243,14 @@ impl PieceTokenizer {
                 .map(|p| entry_bytes(&p.text, &p.ids))
                 .sum::<usize>()
     }
+}
+
+/// Whether the pre-tokenizer treats the text's first piece apart from the others: Metaspace's
+/// `prepend_scheme: first` (Mistral's and newer Llama 2 files) prefixes `▁` only at the start of
+/// the whole text, so a piece tokenized alone would get one it does not have in context.
+fn depends_on_position(tokenizer: &tokenizers::Tokenizer) -> bool {
+    serde_json::to_string(&tokenizer.get_pre_tokenizer())
+        .map_or(true, |json| json.contains("\"first\""))
 }
 
 /// The tokenizer's own ids for `text`, without offsets (which the router does not use).
@@ -337,6 +374,54 @@ mod tests {
             let t = tokenizer(serde_json::json!({ flag: true }));
             assert!(PieceTokenizer::new(&t, CACHE_BYTES).is_none(), "{flag}");
         }
+    }
+
+    /// A tokenizer whose pre-tokenizer prefixes `▁` to the text's first piece only, over a
+    /// vocabulary that tells `▁a` from `a`.
+    fn metaspace_first() -> tokenizers::Tokenizer {
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            ["[UNK]", "a", "▁a", "b", "▁b", "c", "▁c"]
+                .iter()
+                .enumerate()
+                .map(|(i, w)| (w.to_string(), serde_json::json!(i)))
+                .collect();
+        serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 7, "content": "<|im_end|>", "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "▁",
+                "prepend_scheme": "first", "split": true},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+        })
+        .to_string()
+        .parse()
+        .unwrap()
+    }
+
+    #[test]
+    fn a_pre_tokenizer_that_marks_the_first_piece_turns_pieces_off() {
+        let t = metaspace_first();
+        // In context the second `a` has no `▁`; alone it would.
+        assert_eq!(whole(&t, "a<|im_end|>a", false), Some(vec![2, 7, 1]));
+        assert!(depends_on_position(&t));
+        assert!(PieceTokenizer::new(&t, CACHE_BYTES).is_none());
+        // The probes catch it too, without the flag check.
+        let pieces = PieceTokenizer {
+            added: AhoCorasick::new(["<|im_end|>"]).ok(),
+            added_ids: vec![7],
+            wrap: None,
+            cache: Mutex::new(Generations::new(CACHE_BYTES)),
+        };
+        assert_eq!(
+            pieces.encode(&t, "a<|im_end|>a", false),
+            Some(vec![2, 7, 2])
+        );
+        assert!(!pieces.agrees_on_probes(&t, &["<|im_end|>"]));
+        // The test tokenizer passes both.
+        let chat = tokenizer(serde_json::json!({}));
+        assert!(!depends_on_position(&chat));
     }
 
     #[test]
