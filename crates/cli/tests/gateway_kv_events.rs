@@ -678,8 +678,29 @@ async fn text_prompts_tokenized_by_the_gateway_predict_cached_tokens_to_the_toke
             "round {round}: the engine reported {reported}: {decision}"
         );
     }
+    // Text outside the tokenizer's vocabulary goes to the approximate index, counted.
+    let r = post(
+        &c,
+        &gw.url("/v1/completions"),
+        &json!({"model": MODEL, "prompt": " the zebra", "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
     // Every request's prediction was the engine's report, to the token.
     let m = metrics(&c, &gw).await;
+    let tokenized = |result: &str| {
+        metric_sum(
+            &m,
+            "switchyard_tokenized_prompts_total",
+            &[&format!("result=\"{result}\"")],
+        )
+    };
+    assert_eq!(
+        tokenized("ids"),
+        7.0,
+        "every text prompt through the gateway"
+    );
+    assert_eq!(tokenized("unknown"), 1.0);
     for backend in ["a", "b"] {
         let predicted = series(&m, "switchyard_predicted_cached_tokens_total", backend);
         assert!(predicted > 0.0);

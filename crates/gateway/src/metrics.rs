@@ -128,6 +128,8 @@ pub struct Metrics {
     peer_messages: Family<ResultLabel, Counter>,
     /// `--peer-dns` lookups by result (`ok`, `failed`).
     peer_dns_lookups: Family<ResultLabel, Counter>,
+    /// Prompts tokenized for exact matching (`--tokenizer`), by result.
+    tokenized: Family<ResultLabel, Counter>,
     /// Replicas the last successful `--peer-dns` lookup found (this one left out).
     pub peer_dns_peers: Gauge,
     /// Failed Kubernetes discovery calls (list, watch): one per failure, whatever the cause.
@@ -430,6 +432,12 @@ impl Metrics {
             "--peer-dns lookups by result: ok, failed (the last peers are kept)",
             peer_dns_lookups.clone(),
         );
+        let tokenized = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "switchyard_tokenized_prompts",
+            "Prompts of models with a --tokenizer, by result: ids (matched exactly), unknown (text outside the vocabulary), no_template (chat without a chat template), template_failed",
+            tokenized.clone(),
+        );
         let peer_dns_peers = Gauge::default();
         registry.register(
             "switchyard_peer_dns_peers",
@@ -502,6 +510,7 @@ impl Metrics {
             reloads,
             peer_messages,
             peer_dns_lookups,
+            tokenized,
             peer_dns_peers,
             discovery_errors,
             discovery_last_sync,
@@ -710,6 +719,11 @@ impl Metrics {
         self.peer_messages
             .get_or_create(&ResultLabel { result })
             .inc_by(n);
+    }
+
+    /// Counts a prompt tokenized for exact matching, by result.
+    pub fn tokenized(&self, result: &'static str) {
+        self.tokenized.get_or_create(&ResultLabel { result }).inc();
     }
 
     /// Counts a `--peer-dns` lookup.

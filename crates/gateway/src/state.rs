@@ -370,9 +370,27 @@ impl Gateway {
         let Some(input) = self.tokenizer_input(parsed, kind) else {
             return prompt;
         };
-        match self.tokenizers.ids(&target.model, &input) {
-            Some(ids) => prompt.with_token_ids(ids),
-            None => prompt,
+        let ids = self.tokenizers.ids(&target.model, &input);
+        self.with_ids(prompt, ids)
+    }
+
+    /// `prompt` with the tokenizer's ids, counted by outcome (a model without a tokenizer is
+    /// not counted: with several models only some may have one).
+    fn with_ids(
+        &self,
+        prompt: PreparedPrompt,
+        ids: Result<Vec<u32>, crate::tokenize::Miss>,
+    ) -> PreparedPrompt {
+        match ids {
+            Ok(ids) => {
+                self.metrics.tokenized("ids");
+                prompt.with_token_ids(ids)
+            }
+            Err(crate::tokenize::Miss::NoTokenizer) => prompt,
+            Err(miss) => {
+                self.metrics.tokenized(miss.label());
+                prompt
+            }
         }
     }
 
@@ -396,10 +414,7 @@ impl Gateway {
             self.tokenize_on_pool(&target.model, input.to_owned_input())
                 .await
         };
-        match ids {
-            Some(ids) => prompt.with_token_ids(ids),
-            None => prompt,
-        }
+        self.with_ids(prompt, ids)
     }
 
     /// What the tokenizer would take of a request; none without tokenizers or a prompt to
@@ -430,10 +445,12 @@ impl Gateway {
         &self,
         model: &str,
         input: crate::tokenize::Input<String>,
-    ) -> Option<Vec<u32>> {
+    ) -> Result<Vec<u32>, crate::tokenize::Miss> {
         // The semaphore is never closed; a request whose future is dropped while waiting
         // simply leaves the line.
-        let permit = self.tokenize_permits.clone().acquire_owned().await.ok()?;
+        let Ok(permit) = self.tokenize_permits.clone().acquire_owned().await else {
+            return Err(crate::tokenize::Miss::Unknown);
+        };
         let tokenizers = self.tokenizers.clone();
         let model = model.to_string();
         tokio::task::spawn_blocking(move || {
@@ -441,8 +458,7 @@ impl Gateway {
             tokenizers.ids(&model, &input)
         })
         .await
-        .ok()
-        .flatten()
+        .unwrap_or(Err(crate::tokenize::Miss::Unknown))
     }
 
     /// Seconds since the gateway started: the router's clock.

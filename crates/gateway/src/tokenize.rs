@@ -164,6 +164,31 @@ pub struct Tokenizers {
     by_model: std::sync::Arc<HashMap<String, Loaded>>,
 }
 
+/// Why a prompt got no token ids (it is then matched on the approximate index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Miss {
+    /// No `--tokenizer` for the request's model.
+    NoTokenizer,
+    /// Chat messages for a model without a chat template (`tokenizer_config.json`).
+    NoTemplate,
+    /// The chat template failed on the messages (it raised, or used what the renderer lacks).
+    TemplateFailed,
+    /// Text the tokenizer does not know (an unknown token), or none at all.
+    Unknown,
+}
+
+impl Miss {
+    /// The metric label (`switchyard_tokenized_prompts_total{result}`).
+    pub fn label(self) -> &'static str {
+        match self {
+            Miss::NoTokenizer => "no_tokenizer",
+            Miss::NoTemplate => "no_template",
+            Miss::TemplateFailed => "template_failed",
+            Miss::Unknown => "unknown",
+        }
+    }
+}
+
 /// A prompt as the tokenizer takes it: chat messages (role, content) or one text.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Input<S> {
@@ -228,31 +253,33 @@ impl Tokenizers {
     /// The token ids of `text` for `model` as its engine would see them (special tokens
     /// included); none without a tokenizer for it, or when part of the text is unknown to it.
     pub fn token_ids(&self, model: &str, text: &str) -> Option<Vec<u32>> {
-        self.by_model.get(model)?.encode(text, true)
+        self.ids(model, &Input::Text(text)).ok()
     }
 
     /// The token ids of chat `messages` (role, content) for `model`: rendered with its chat
     /// template, then tokenized; none without a tokenizer and template for it, or when the
     /// template fails or part of the text is unknown to the tokenizer.
     pub fn chat_token_ids(&self, model: &str, messages: &[(&str, &str)]) -> Option<Vec<u32>> {
-        let loaded = self.by_model.get(model)?;
-        let text = loaded.chat.as_ref()?.render(messages)?;
-        // The template wrote the special tokens itself.
-        loaded.encode(&text, false)
+        let messages = messages.iter().map(|&(r, c)| (r, c)).collect();
+        self.ids(model, &Input::Chat(messages)).ok()
     }
 
     /// The token ids of `input` for `model` ([`Tokenizers::chat_token_ids`] for messages,
-    /// [`Tokenizers::token_ids`] for a text).
-    pub fn ids<S: AsRef<str>>(&self, model: &str, input: &Input<S>) -> Option<Vec<u32>> {
+    /// [`Tokenizers::token_ids`] for a text), or why there are none.
+    pub fn ids<S: AsRef<str>>(&self, model: &str, input: &Input<S>) -> Result<Vec<u32>, Miss> {
+        let loaded = self.by_model.get(model).ok_or(Miss::NoTokenizer)?;
         match input {
             Input::Chat(messages) => {
                 let messages: Vec<(&str, &str)> = messages
                     .iter()
                     .map(|(r, c)| (r.as_ref(), c.as_ref()))
                     .collect();
-                self.chat_token_ids(model, &messages)
+                let chat = loaded.chat.as_ref().ok_or(Miss::NoTemplate)?;
+                let text = chat.render(&messages).ok_or(Miss::TemplateFailed)?;
+                // The template wrote the special tokens itself.
+                loaded.encode(&text, false).ok_or(Miss::Unknown)
             }
-            Input::Text(t) => self.token_ids(model, t.as_ref()),
+            Input::Text(t) => loaded.encode(t.as_ref(), true).ok_or(Miss::Unknown),
         }
     }
 
@@ -391,6 +418,29 @@ mod tests {
         assert!(ChatTemplate::from_config("{}").unwrap().is_none());
         assert!(ChatTemplate::from_config(r#"{"chat_template": "{% for %}"}"#).is_err());
         assert!(ChatTemplate::from_config("not json").is_err());
+    }
+
+    #[test]
+    fn a_prompt_without_ids_says_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, switchyard_emulator::tokenizer_json::tokenizer_json()).unwrap();
+        let files = BTreeMap::from([("m".to_string(), path.clone())]);
+        let chat = Input::Chat(vec![("user", " the")]);
+        // No tokenizer_config.json beside it: no chat template.
+        let t = Tokenizers::load(&files).unwrap();
+        assert_eq!(t.ids("m", &chat), Err(Miss::NoTemplate));
+        assert_eq!(t.ids("other", &chat), Err(Miss::NoTokenizer));
+        assert_eq!(t.ids("m", &Input::Text(" the zebra")), Err(Miss::Unknown));
+        assert!(t.ids("m", &Input::Text(" the")).is_ok());
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"chat_template": "{{ raise_exception('no user role') }}"}"#,
+        )
+        .unwrap();
+        let t = Tokenizers::load(&files).unwrap();
+        assert_eq!(t.ids("m", &chat), Err(Miss::TemplateFailed));
+        assert_eq!(Miss::TemplateFailed.label(), "template_failed");
     }
 
     #[test]
