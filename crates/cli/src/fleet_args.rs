@@ -105,6 +105,10 @@ pub struct FleetArgs {
     /// with kv_events= are matched exactly. Nothing is downloaded.
     #[arg(long = "tokenizer", value_name = "MODEL=PATH")]
     pub tokenizers: Vec<String>,
+    /// MiB of tokenized prompt pieces each --tokenizer keeps (a conversation's earlier
+    /// messages are not tokenized again); 0 keeps none.
+    #[arg(long, default_value = "64", value_name = "MIB")]
+    pub tokenizer_cache_mib: usize,
     /// Seconds in-flight responses may take to finish after SIGINT/SIGTERM, or a removed
     /// backend to drain.
     #[arg(long, default_value = "30", value_parser = parse_secs)]
@@ -241,6 +245,14 @@ impl FleetArgs {
                     _ => Err(anyhow!("--tokenizer `{t}`: expected MODEL=PATH")),
                 })
                 .collect::<Result<_>>()?,
+            tokenizer_cache_bytes: self.tokenizer_cache_mib.checked_mul(1 << 20).ok_or_else(
+                || {
+                    anyhow!(
+                        "--tokenizer-cache-mib {}: too large",
+                        self.tokenizer_cache_mib
+                    )
+                },
+            )?,
             queue_size: self.queue_size,
             queue_timeout: self.queue_timeout,
             drain_timeout: self.drain_timeout,
@@ -265,6 +277,26 @@ mod tests {
     struct Flags {
         #[command(flatten)]
         fleet: FleetArgs,
+    }
+
+    #[test]
+    fn the_tokenizer_cache_flag_sets_the_bytes_and_defaults_as_the_settings_do() {
+        let settings = |extra: &[&str]| {
+            let argv = ["switchyard"].into_iter().chain(extra.iter().copied());
+            let fleet = Flags::parse_from(argv).fleet;
+            fleet.settings(fleet.router().expect("router"), false)
+        };
+        assert_eq!(
+            settings(&[]).unwrap().tokenizer_cache_bytes,
+            Settings::default().tokenizer_cache_bytes
+        );
+        let off = settings(&["--tokenizer-cache-mib", "0"]).unwrap();
+        assert_eq!(off.tokenizer_cache_bytes, 0);
+        let small = settings(&["--tokenizer-cache-mib", "3"]).unwrap();
+        assert_eq!(small.tokenizer_cache_bytes, 3 << 20);
+        let huge = usize::MAX.to_string();
+        let err = settings(&["--tokenizer-cache-mib", &huge]).unwrap_err();
+        assert!(err.to_string().contains("too large"), "{err}");
     }
 
     /// A hung system resolver cannot be arranged without changing the machine's DNS settings;

@@ -88,6 +88,8 @@ pub struct Settings {
     /// Hugging Face tokenizer.json per served base model (`--tokenizer MODEL=PATH`): text
     /// prompts for it are tokenized for exact matching.
     pub tokenizers: BTreeMap<String, PathBuf>,
+    /// Bytes of tokenized prompt pieces each tokenizer keeps (`--tokenizer-cache-mib`).
+    pub tokenizer_cache_bytes: usize,
     /// Other replicas in front of the same fleet (`--peer URL`): decisions and outcomes are
     /// shared with them (the `peers` module).
     pub peers: Vec<http::Uri>,
@@ -190,6 +192,7 @@ impl Default for Settings {
             kv_events_silence: Duration::from_secs(10),
             kv_events_probation: Duration::from_secs(5),
             tokenizers: BTreeMap::new(),
+            tokenizer_cache_bytes: crate::tokenize::DEFAULT_CACHE_BYTES,
             peers: Vec::new(),
             peer_discovery: false,
             peer_dns: None,

@@ -137,8 +137,9 @@ pub fn launch(settings: Settings) -> Result<Fleet, GatewayError> {
     let mut all: Vec<BackendSpec> = settings.backends.clone();
     all.extend(file.iter().flat_map(|f| f.backends.iter().cloned()));
     backends::check_unique(&all).map_err(|e| GatewayError::Config(e.to_string()))?;
-    let tokenizers = tokenize::Tokenizers::load(&settings.tokenizers)
-        .map_err(|e| GatewayError::Config(e.to_string()))?;
+    let tokenizers =
+        tokenize::Tokenizers::load_with_cache(&settings.tokenizers, settings.tokenizer_cache_bytes)
+            .map_err(|e| GatewayError::Config(e.to_string()))?;
     let gw = Gateway::with_tokenizers(settings, router, tokenizers);
     gw.registry.lock().set_aliases(aliases);
     for spec in gw.settings.backends.clone() {

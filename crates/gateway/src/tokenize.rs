@@ -158,6 +158,9 @@ impl ChatTemplate {
     }
 }
 
+/// Bytes of tokenized prompt pieces a tokenizer keeps by default (`--tokenizer-cache-mib`).
+pub const DEFAULT_CACHE_BYTES: usize = pieces::CACHE_BYTES;
+
 /// Tokenizers by served base model (cheap to clone: shared).
 #[derive(Default, Clone)]
 pub struct Tokenizers {
