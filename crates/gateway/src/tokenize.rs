@@ -159,7 +159,7 @@ impl ChatTemplate {
 }
 
 /// Bytes of tokenized prompt pieces a tokenizer keeps by default (`--tokenizer-cache-mib`).
-pub const DEFAULT_CACHE_BYTES: usize = pieces::CACHE_BYTES;
+pub use pieces::CACHE_BYTES as DEFAULT_CACHE_BYTES;
 
 /// Tokenizers by served base model (cheap to clone: shared).
 #[derive(Default, Clone)]
@@ -230,7 +230,7 @@ impl<S: AsRef<str>> Input<S> {
 impl Tokenizers {
     /// Loads every `model -> tokenizer.json` of the settings.
     pub fn load(files: &BTreeMap<String, PathBuf>) -> Result<Self, TokenizerError> {
-        Self::load_with_cache(files, pieces::CACHE_BYTES)
+        Self::load_with_cache(files, DEFAULT_CACHE_BYTES)
     }
 
     /// As [`Tokenizers::load`], keeping up to `cache_bytes` of tokenized prompt pieces per
@@ -263,8 +263,7 @@ impl Tokenizers {
     /// template, then tokenized; none without a tokenizer and template for it, or when the
     /// template fails or part of the text is unknown to the tokenizer.
     pub fn chat_token_ids(&self, model: &str, messages: &[(&str, &str)]) -> Option<Vec<u32>> {
-        let messages = messages.iter().map(|&(r, c)| (r, c)).collect();
-        self.ids(model, &Input::Chat(messages)).ok()
+        self.ids(model, &Input::Chat(messages.to_vec())).ok()
     }
 
     /// The token ids of `input` for `model` ([`Tokenizers::chat_token_ids`] for messages,

@@ -19,7 +19,7 @@ use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 
 /// Bytes of cached pieces (text and ids) per tokenizer: a 32k-token system prompt takes about
 /// 256 KiB, so this holds well over a hundred long conversations' histories.
-pub(super) const CACHE_BYTES: usize = 64 << 20;
+pub const CACHE_BYTES: usize = 64 << 20;
 
 /// Bookkeeping charged per cached piece besides its text and ids.
 const ENTRY_OVERHEAD: usize = 64;
@@ -204,8 +204,6 @@ impl PieceTokenizer {
         if piece.is_empty() {
             return Some(());
         }
-        // A poisoned lock only means another request panicked mid-lookup; the maps are
-        // still whole.
         let hash = xxhash_rust::xxh3::xxh3_64(piece.as_bytes());
         let cached = self.lock().get(hash, piece);
         let piece_ids = match cached {
@@ -226,6 +224,8 @@ impl PieceTokenizer {
         Some(())
     }
 
+    /// The cache; a poisoned lock only means another request panicked mid-lookup, and the
+    /// maps are still whole.
     fn lock(&self) -> std::sync::MutexGuard<'_, Generations> {
         self.cache
             .lock()
