@@ -18,7 +18,10 @@
 #
 # Usage: bash bench/epp.sh      Knobs: RATE DURATION WARMUP REPEATS WORDS EPP_THREADS (the
 # pickers' --worker-threads; default: one per CPU); BASELINE=PATH (another build's `switchyard`)
-# adds `envoy-epp-baseline`, envoy-epp over a picker run from that binary, in the same rounds.
+# adds `envoy-epp-baseline`, envoy-epp over a picker run from that binary, in the same rounds;
+# FLOOR=1 adds `envoy-null-buffered` (the do-nothing server with the request body BUFFERED and
+# answered with the destination only, no response messages) and `envoy-null-body-only` (the
+# same without the request headers message): what fewer ext_proc messages would save.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -128,6 +131,26 @@ if [[ -n ${BASELINE:-} ]]; then
     PICKER[envoy-epp-baseline]=$BASE_PID
     TARGETS=(direct envoy-rr envoy-null envoy-epp-baseline envoy-epp envoy-epp-nobody)
 fi
+if [[ ${FLOOR:-0} == 1 ]]; then
+    # The do-nothing server with fewer messages: the request body BUFFERED (answered with the
+    # destination only, the body not sent back), nothing of the response; and the same
+    # without the request headers message.
+    start null-buffered "$NULL_PICKER" --buffered --backend "$E1" --backend "$E2"
+    NULLB_PID=$LAST_PID
+    address null-buffered "$NULLB_PID" >/dev/null
+    buffered_config() { # GRPC-PORT REQUEST-HEADER-MODE
+        picker_config "$1" NONE | sed -e "s/request_header_mode: SEND/request_header_mode: $2/" \
+            -e 's/response_header_mode: SEND/response_header_mode: SKIP/' \
+            -e 's/request_body_mode: FULL_DUPLEX_STREAMED/request_body_mode: BUFFERED/' \
+            -e 's/request_trailer_mode: SEND/request_trailer_mode: SKIP/' \
+            -e 's/response_trailer_mode: SEND/response_trailer_mode: SKIP/'
+    }
+    envoy_with envoy-null-buffered "$(buffered_config "$(grpc_of null-buffered)" SEND)"
+    envoy_with envoy-null-body-only "$(buffered_config "$(grpc_of null-buffered)" SKIP)"
+    PICKER[envoy-null-buffered]=$NULLB_PID
+    PICKER[envoy-null-body-only]=$NULLB_PID
+    TARGETS+=(envoy-null-buffered envoy-null-body-only)
+fi
 declare -A P50 P99 CPU
 for round in $(seq 1 "$REPEATS"); do
     log "[round $round/$REPEATS, $RATE req/s]"
@@ -165,7 +188,7 @@ for t in "${TARGETS[@]}"; do
     p99=$(med "${P99[$t]}")
     add50=—
     add99=—
-    if [[ $t == envoy-epp* || $t == envoy-null ]]; then
+    if [[ $t == envoy-epp* || $t == envoy-null* ]]; then
         add50=$(awk -v a="$p50" -v b="$rr50" 'BEGIN{printf "%+.1f", a-b}')
         add99=$(awk -v a="$p99" -v b="$rr99" 'BEGIN{printf "%+.1f", a-b}')
     fi

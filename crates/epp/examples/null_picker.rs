@@ -27,6 +27,8 @@ use tonic::{Request, Response, Status, Streaming};
 /// Round robin over the backends; every answer is the protocol's minimum.
 struct Null {
     backends: Arc<Vec<String>>,
+    /// `request_body_mode: BUFFERED`: the body comes whole and is answered with the route only.
+    buffered: bool,
     next: Arc<AtomicUsize>,
 }
 
@@ -34,8 +36,20 @@ struct Null {
 fn answer(
     message: ProcessingRequest,
     body: &mut Vec<u8>,
+    buffered: bool,
     pick: &dyn Fn() -> String,
 ) -> Vec<ProcessingResponse> {
+    if buffered {
+        return match message.request {
+            Some(Message::RequestHeaders(h)) if h.end_of_stream => {
+                vec![messages::routed(&pick(), &[])]
+            }
+            Some(Message::RequestHeaders(_)) => vec![messages::request_headers_unchanged()],
+            Some(Message::RequestBody(_)) => vec![messages::routed_buffered(&pick(), &[])],
+            // The response side, if sent at all, comes in observability mode: no answers.
+            _ => Vec::new(),
+        };
+    }
     match message.request {
         Some(Message::RequestBody(b)) => {
             body.extend_from_slice(&b.body);
@@ -65,7 +79,7 @@ impl ExternalProcessor for Null {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let (backends, next) = (self.backends.clone(), self.next.clone());
+        let (backends, next, buffered) = (self.backends.clone(), self.next.clone(), self.buffered);
         let state = (
             request.into_inner(),
             Vec::new(),
@@ -84,7 +98,7 @@ impl ExternalProcessor for Null {
                         let pick = || {
                             backends[next.fetch_add(1, Ordering::Relaxed) % backends.len()].clone()
                         };
-                        outbox = answer(message, &mut body, &pick);
+                        outbox = answer(message, &mut body, buffered, &pick);
                     }
                 }
             });
@@ -95,11 +109,16 @@ impl ExternalProcessor for Null {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut backends = Vec::new();
+    let mut buffered = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
+        if a == "--buffered" {
+            buffered = true;
+            continue;
+        }
         match (a.as_str(), args.next()) {
             ("--backend", Some(b)) => backends.push(b.trim_start_matches("http://").to_string()),
-            _ => return Err("usage: null_picker --backend HOST:PORT...".into()),
+            _ => return Err("usage: null_picker [--buffered] --backend HOST:PORT...".into()),
         }
     }
     if backends.is_empty() {
@@ -110,6 +129,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("listening on http://{addr} grpc={addr}");
     let service = Null {
         backends: Arc::new(backends),
+        buffered,
         next: Arc::new(AtomicUsize::new(0)),
     };
     tonic::transport::Server::builder()

@@ -56,21 +56,42 @@ fn string(value: &str) -> Value {
 /// header and in `envoy.lb` metadata, `extra` headers set, the route cache cleared (the
 /// destination changes the route).
 pub fn routed(destination: &str, extra: &[(&str, String)]) -> ProcessingResponse {
+    routed_with(destination, extra, |common| {
+        Response::RequestHeaders(HeadersResponse {
+            response: Some(common),
+        })
+    })
+}
+
+/// The answer to a buffered request body (`request_body_mode: BUFFERED`) once the request is
+/// routed: as [`routed`], the destination set on the request headers Envoy still holds, and the
+/// body left as it came (not sent back).
+pub fn routed_buffered(destination: &str, extra: &[(&str, String)]) -> ProcessingResponse {
+    routed_with(destination, extra, |common| {
+        Response::RequestBody(BodyResponse {
+            response: Some(common),
+        })
+    })
+}
+
+fn routed_with(
+    destination: &str,
+    extra: &[(&str, String)],
+    answer: impl FnOnce(CommonResponse) -> Response,
+) -> ProcessingResponse {
     let mut set_headers = vec![header(DESTINATION, destination)];
     set_headers.extend(extra.iter().map(|(k, v)| header(k, v)));
     let lb = Struct {
         fields: [(DESTINATION.to_string(), string(destination))].into(),
     };
     ProcessingResponse {
-        response: Some(Response::RequestHeaders(HeadersResponse {
-            response: Some(CommonResponse {
-                header_mutation: Some(HeaderMutation {
-                    set_headers,
-                    remove_headers: Vec::new(),
-                }),
-                clear_route_cache: true,
-                ..Default::default()
+        response: Some(answer(CommonResponse {
+            header_mutation: Some(HeaderMutation {
+                set_headers,
+                remove_headers: Vec::new(),
             }),
+            clear_route_cache: true,
+            ..Default::default()
         })),
         dynamic_metadata: Some(Struct {
             fields: [(
@@ -277,6 +298,28 @@ mod tests {
             lb.fields[DESTINATION].kind,
             Some(Kind::StringValue("10.0.0.1:8000,10.0.0.2:8000".into()))
         );
+    }
+
+    #[test]
+    fn the_buffered_answer_routes_without_sending_the_body_back() {
+        let r = routed_buffered("10.0.0.1:8000", &[("x-extra", "1".to_string())]);
+        let Some(Response::RequestBody(b)) = r.response else {
+            panic!("a body response")
+        };
+        let common = b.response.unwrap();
+        assert!(common.clear_route_cache);
+        assert!(common.body_mutation.is_none());
+        let set = &common.header_mutation.unwrap().set_headers;
+        let keys: Vec<_> = set
+            .iter()
+            .map(|h| h.header.as_ref().unwrap().key.as_str())
+            .collect();
+        assert_eq!(keys, [DESTINATION, "x-extra"]);
+        assert!(r
+            .dynamic_metadata
+            .unwrap()
+            .fields
+            .contains_key(LB_NAMESPACE));
     }
 
     #[test]
