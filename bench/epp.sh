@@ -21,7 +21,9 @@
 # adds `envoy-epp-baseline`, envoy-epp over a picker run from that binary, in the same rounds;
 # FLOOR=1 adds `envoy-null-buffered` (the do-nothing server with the request body BUFFERED and
 # answered with the destination only, no response messages) and `envoy-null-body-only` (the
-# same without the request headers message): what fewer ext_proc messages would save.
+# same without the request headers message) and `envoy-null-observed` (the buffered request
+# side, the response sent to a second ext_proc filter in observability mode): what fewer
+# ext_proc messages would save.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -145,11 +147,37 @@ if [[ ${FLOOR:-0} == 1 ]]; then
             -e 's/request_trailer_mode: SEND/request_trailer_mode: SKIP/' \
             -e 's/response_trailer_mode: SEND/response_trailer_mode: SKIP/'
     }
+    observed_config() { # GRPC-PORT: the buffered request side, the response to a second
+        # ext_proc filter in observability mode (Envoy does not wait for its answers)
+        buffered_config "$1" SEND | python3 -c '
+import sys
+s = sys.stdin.read()
+observer = """                  - name: observer
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+                      grpc_service:
+                        envoy_grpc: { cluster_name: epp }
+                        timeout: 10s
+                      observability_mode: true
+                      deferred_close_timeout: 0.2s
+                      processing_mode:
+                        request_header_mode: SKIP
+                        response_header_mode: SEND
+                        request_body_mode: NONE
+                        response_body_mode: STREAMED
+                        request_trailer_mode: SKIP
+                        response_trailer_mode: SKIP
+"""
+router = "                  - name: envoy.filters.http.router"
+print(s.replace(router, observer + router))'
+    }
     envoy_with envoy-null-buffered "$(buffered_config "$(grpc_of null-buffered)" SEND)"
     envoy_with envoy-null-body-only "$(buffered_config "$(grpc_of null-buffered)" SKIP)"
+    envoy_with envoy-null-observed "$(observed_config "$(grpc_of null-buffered)")"
     PICKER[envoy-null-buffered]=$NULLB_PID
     PICKER[envoy-null-body-only]=$NULLB_PID
-    TARGETS+=(envoy-null-buffered envoy-null-body-only)
+    PICKER[envoy-null-observed]=$NULLB_PID
+    TARGETS+=(envoy-null-buffered envoy-null-body-only envoy-null-observed)
 fi
 declare -A P50 P99 CPU
 for round in $(seq 1 "$REPEATS"); do

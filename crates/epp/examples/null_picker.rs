@@ -95,6 +95,14 @@ impl ExternalProcessor for Null {
                             return Some((Ok(first), (inbound, body, outbox)));
                         }
                         let message = inbound.message().await.ok()??;
+                        // An observer's stream (observability mode) ends with the response.
+                        let last = matches!(&message.request,
+                            Some(Message::ResponseBody(b)) if b.end_of_stream)
+                            || matches!(&message.request,
+                            Some(Message::ResponseHeaders(h)) if h.end_of_stream);
+                        if buffered && last {
+                            return None;
+                        }
                         let pick = || {
                             backends[next.fetch_add(1, Ordering::Relaxed) % backends.len()].clone()
                         };
