@@ -135,8 +135,8 @@ if [[ -n ${BASELINE:-} ]]; then
 fi
 if [[ ${FLOOR:-0} == 1 ]]; then
     # The do-nothing server with fewer messages: the request body BUFFERED (answered with the
-    # destination only, the body not sent back), nothing of the response; and the same
-    # without the request headers message.
+    # destination only, the body not sent back), nothing of the response; the same without
+    # the request headers message; and the buffered request side with the response observed.
     start null-buffered "$NULL_PICKER" --buffered --backend "$E1" --backend "$E2"
     NULLB_PID=$LAST_PID
     address null-buffered "$NULLB_PID" >/dev/null

@@ -71,6 +71,16 @@ fn answer(
     }
 }
 
+/// Whether this is the response's last message: an observer's stream (observability mode) ends
+/// there, or Envoy holds it open for its `deferred_close_timeout`.
+fn ends_response(message: &ProcessingRequest) -> bool {
+    match &message.request {
+        Some(Message::ResponseBody(b)) => b.end_of_stream,
+        Some(Message::ResponseHeaders(h)) => h.end_of_stream,
+        _ => false,
+    }
+}
+
 #[tonic::async_trait]
 impl ExternalProcessor for Null {
     type ProcessStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
@@ -95,12 +105,7 @@ impl ExternalProcessor for Null {
                             return Some((Ok(first), (inbound, body, outbox)));
                         }
                         let message = inbound.message().await.ok()??;
-                        // An observer's stream (observability mode) ends with the response.
-                        let last = matches!(&message.request,
-                            Some(Message::ResponseBody(b)) if b.end_of_stream)
-                            || matches!(&message.request,
-                            Some(Message::ResponseHeaders(h)) if h.end_of_stream);
-                        if buffered && last {
+                        if buffered && ends_response(&message) {
                             return None;
                         }
                         let pick = || {
