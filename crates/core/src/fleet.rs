@@ -160,6 +160,9 @@ pub struct Learned {
     pub survival: CacheSurvival,
     /// Share of prompt tokens the engine reported served from its cache (moving average).
     pub hit_share: f64,
+    /// The fewest cached tokens the engine ever reported above zero (0: none yet): the unit it
+    /// caches in, at most (vLLM's 16-token blocks; a few tokens for llama.cpp).
+    pub cache_unit_tokens: u32,
     /// Where the instance publishes KV events: how far the exact view's cached-token
     /// predictions missed the engine's reports (moving average of |predicted − reported| ÷
     /// prompt tokens) ...
@@ -558,6 +561,7 @@ mod tests {
             mean_uncached_tokens: 100.0,
             survival: Default::default(),
             hit_share: 0.0,
+            cache_unit_tokens: 0,
             exact_error: 0.0,
             approx_error: 0.0,
             view_samples: 0,

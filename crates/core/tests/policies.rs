@@ -1636,3 +1636,62 @@ fn the_kv_reservation_follows_the_answers_measured_not_the_limit() {
     let relieved = router.route(&generous(&texts[39]), 2.0).unwrap();
     assert_eq!(relieved.candidate(a).unwrap().terms.kv_penalty_s, 0.0);
 }
+
+#[test]
+fn a_shortfall_below_the_engines_cache_unit_is_no_eviction() {
+    let (mut router, ids) = router("cost", 2);
+    let doc = |n: u64| prompt("a long shared document about rivers. ", 3000, n);
+    send_to(
+        &mut router,
+        1,
+        &RouteRequest::text("m", &doc(1)),
+        ids[0],
+        0.0,
+    );
+    finish(&mut router, 1, 0.5);
+    // Unrelated prompts open alike (as a chat template does): the index matches their first
+    // 32 bytes, about 8 tokens, which an engine caching 16-token blocks never reports.
+    let report = |router: &mut Router, id: u64, cached: u32, now: f64| {
+        router
+            .observe(Observation::FirstToken(RequestId(id)), now)
+            .unwrap();
+        let usage = Usage {
+            prompt_tokens: 1000,
+            cached_tokens: Some(cached),
+            completion_tokens: 10,
+        };
+        router
+            .observe(Observation::Finished(RequestId(id), Some(usage)), now)
+            .unwrap();
+    };
+    for id in 10..60 {
+        let text = format!(
+            "You are a helpful assistant, ok.{}",
+            prompt(&format!("topic {id} "), 1000, id)
+        );
+        send_to(
+            &mut router,
+            id,
+            &RouteRequest::text("m", &text),
+            ids[0],
+            id as f64,
+        );
+        // One answer in ten reuses a 16-token block: the engine's unit.
+        report(
+            &mut router,
+            id,
+            if id % 10 == 0 { 16 } else { 0 },
+            id as f64 + 0.1,
+        );
+    }
+    assert_eq!(router.learned(ids[0]).unwrap().cache_unit_tokens, 16);
+    let decision = router
+        .route(&RouteRequest::text("m", &doc(2)), 100.0)
+        .unwrap();
+    let holder = decision.candidate(ids[0]).unwrap().terms;
+    assert!(
+        holder.cached_tokens > 1000,
+        "the document is still believed held: {}",
+        decision.explain(2)
+    );
+}

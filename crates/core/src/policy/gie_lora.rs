@@ -134,6 +134,7 @@ mod tests {
             mean_uncached_tokens: 100.0,
             survival: Default::default(),
             hit_share: 0.0,
+            cache_unit_tokens: 0,
             exact_error: 0.0,
             approx_error: 0.0,
             view_samples: 0,
