@@ -64,6 +64,21 @@ fn finish(router: &mut Router, id: u64, now: f64) {
         .unwrap();
 }
 
+/// First token and end of a 1,000-token prompt whose engine reported `cached` tokens from cache.
+fn finish_with_cached(router: &mut Router, id: u64, cached: u32, first_token: f64, end: f64) {
+    router
+        .observe(Observation::FirstToken(RequestId(id)), first_token)
+        .unwrap();
+    let usage = Usage {
+        prompt_tokens: 1000,
+        cached_tokens: Some(cached),
+        completion_tokens: 10,
+    };
+    router
+        .observe(Observation::Finished(RequestId(id), Some(usage)), end)
+        .unwrap();
+}
+
 #[test]
 fn cost_follows_the_cached_prefix_when_instances_are_idle() {
     let (mut router, _) = router("cost", 4);
@@ -1451,17 +1466,7 @@ fn cost_prices_the_cache_room_a_second_copy_takes_by_the_hit_share_learned() {
             ids[1],
             1.0,
         );
-        router
-            .observe(Observation::FirstToken(RequestId(id)), 1.1)
-            .unwrap();
-        let usage = Usage {
-            prompt_tokens: 1000,
-            cached_tokens: Some(500),
-            completion_tokens: 10,
-        };
-        router
-            .observe(Observation::Finished(RequestId(id), Some(usage)), 1.2)
-            .unwrap();
+        finish_with_cached(&mut router, id, 500, 1.1, 1.2);
     }
     let (holder, other) = room(&mut router, 2.0);
     assert_eq!(holder.terms.cache_room_s, 0.0, "{:?}", holder.terms);
@@ -1651,19 +1656,6 @@ fn a_shortfall_below_the_engines_cache_unit_is_no_eviction() {
     finish(&mut router, 1, 0.5);
     // Unrelated prompts open alike (as a chat template does): the index matches their first
     // 32 bytes, about 8 tokens, which an engine caching 16-token blocks never reports.
-    let report = |router: &mut Router, id: u64, cached: u32, now: f64| {
-        router
-            .observe(Observation::FirstToken(RequestId(id)), now)
-            .unwrap();
-        let usage = Usage {
-            prompt_tokens: 1000,
-            cached_tokens: Some(cached),
-            completion_tokens: 10,
-        };
-        router
-            .observe(Observation::Finished(RequestId(id), Some(usage)), now)
-            .unwrap();
-    };
     for id in 10..60 {
         let text = format!(
             "You are a helpful assistant, ok.{}",
@@ -1677,12 +1669,8 @@ fn a_shortfall_below_the_engines_cache_unit_is_no_eviction() {
             id as f64,
         );
         // One answer in ten reuses a 16-token block: the engine's unit.
-        report(
-            &mut router,
-            id,
-            if id % 10 == 0 { 16 } else { 0 },
-            id as f64 + 0.1,
-        );
+        let cached = if id % 10 == 0 { 16 } else { 0 };
+        finish_with_cached(&mut router, id, cached, id as f64 + 0.1, id as f64 + 0.1);
     }
     assert_eq!(router.learned(ids[0]).unwrap().cache_unit_tokens, 16);
     let decision = router
