@@ -3,6 +3,7 @@
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
+use crate::decode_slope::DecodeSlope;
 use crate::prefix::CacheSurvival;
 
 pub use crate::id::{InstanceId, Slot};
@@ -143,6 +144,28 @@ impl RouterLoad {
     }
 }
 
+/// Running totals of an instance's work, never reset: the difference between two readings is
+/// what happened between them (the batch and the prefill beside one request's answer).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WorkTotals {
+    /// Sequence-seconds decoded (the integral of the running count over time).
+    pub running_area_s: f64,
+    /// When `running_area_s` was last brought up to date (router clock, s).
+    pub counted_at: f64,
+    /// Uncached prompt tokens of every request that reached its first token here.
+    pub prefilled_tokens: u64,
+}
+
+impl WorkTotals {
+    /// Brings `running_area_s` up to `now` with `running` sequences decoding since the last
+    /// reading; call before the running count changes.
+    pub fn count_running(&mut self, running: u32, now: f64) {
+        let dt = (now - self.counted_at).max(0.0);
+        self.running_area_s += f64::from(running) * dt;
+        self.counted_at = self.counted_at.max(now);
+    }
+}
+
 /// What the router has learned about an instance from observed timings.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Learned {
@@ -188,6 +211,8 @@ pub struct Learned {
     pub short_speed: f64,
     /// First tokens behind `short_speed`.
     pub short_samples: u32,
+    /// What one more decoding sequence adds to every step here, learned.
+    pub decode_slope: DecodeSlope,
 }
 
 /// The share of recent time an instance had every sequence slot taken. Prefill work added there
@@ -276,6 +301,8 @@ pub struct Instance {
     /// The router's own accounting when those metrics arrived: what the engine showed beyond
     /// it was sent by someone else.
     pub load_at_scrape: RouterLoad,
+    /// Running totals for learning what its decode batch costs.
+    pub totals: WorkTotals,
     /// Learned speeds.
     pub learned: Learned,
     /// Adapter residency.
@@ -416,6 +443,7 @@ impl Fleet {
             load: RouterLoad::default(),
             engine: None,
             load_at_scrape: RouterLoad::default(),
+            totals: WorkTotals::default(),
             learned,
             adapters: residency,
         });
@@ -570,6 +598,7 @@ mod tests {
             slot_pressure: SlotPressure::default(),
             short_speed: 0.0,
             short_samples: 0,
+            decode_slope: Default::default(),
         }
     }
 

@@ -107,6 +107,7 @@ mod tests {
             slot_pressure: Default::default(),
             short_speed: 0.0,
             short_samples: 0,
+            decode_slope: Default::default(),
         }
     }
 

@@ -19,6 +19,7 @@
 
 pub mod config;
 pub mod decision;
+pub mod decode_slope;
 pub mod exact;
 pub mod fleet;
 pub mod id;

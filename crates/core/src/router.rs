@@ -125,6 +125,9 @@ struct InFlight {
     pending_floor: Option<u64>,
     /// Key of this request in the instance's pending set.
     pending_key: (u64, u64),
+    /// The instance's [`crate::fleet::WorkTotals`] at this request's first token.
+    running_area_at_first_token: f64,
+    prefilled_at_first_token: u64,
 }
 
 /// The router: fleet view, prefix index, policy and learned estimates. Pure and single-threaded:
@@ -209,6 +212,37 @@ fn learn_max_running(
     if waits_for_slot(metrics) && full_across_scrapes {
         learned.max_running = Some(learned.max_running.unwrap_or(0).max(metrics.running));
     }
+}
+
+/// Answers shorter than this give no decode sample: their few gaps are mostly one step's phase.
+const MIN_DECODE_SAMPLE_TOKENS: u32 = 8;
+
+/// One finished answer's time per token against the batch it decoded in
+/// ([`crate::decode_slope`]).
+fn learn_decode_slope(
+    instance: Option<&mut Instance>,
+    record: &InFlight,
+    first_token_at: f64,
+    completion_tokens: u32,
+    rate: f64,
+    now: f64,
+) {
+    let Some(instance) = instance else { return };
+    let decode_s = now - first_token_at;
+    if completion_tokens < MIN_DECODE_SAMPLE_TOKENS || decode_s <= 0.0 {
+        return;
+    }
+    // The area was counted at this request's end, before its own sequence left.
+    let totals = &instance.totals;
+    let batch = (totals.running_area_s - record.running_area_at_first_token) / decode_s;
+    let gaps = f64::from(completion_tokens - 1);
+    let per_token_s = decode_s / gaps;
+    let prefilled = totals.prefilled_tokens - record.prefilled_at_first_token;
+    let prefill_per_token = prefilled as f64 / gaps;
+    instance
+        .learned
+        .decode_slope
+        .observe(batch, prefill_per_token, per_token_s, rate);
 }
 
 fn ewma(current: f64, sample: f64, rate: f64) -> f64 {
@@ -345,6 +379,7 @@ impl Router {
             slot_pressure: Default::default(),
             short_speed: spec.prefill_tokens_per_s.unwrap_or(e.prefill_tokens_per_s),
             short_samples: 0,
+            decode_slope: Default::default(),
         }
     }
 
@@ -565,7 +600,7 @@ impl Router {
         } else {
             Stage::Unified
         };
-        let (pool_speed, pool_short_speed) = self.pool_speeds(request.model);
+        let (pool_speed, pool_short_speed, pool_decode_slope_s) = self.pool_speeds(request.model);
         let ctx = ScoringContext {
             now,
             request,
@@ -577,6 +612,7 @@ impl Router {
             stage,
             pool_speed,
             pool_short_speed,
+            pool_decode_slope_s,
         };
         self.policy.score(&ctx, &mut candidates, &mut self.rng);
         let memo = self.policy.memo();
@@ -665,14 +701,16 @@ impl Router {
         (self.output_tokens_seen / self.output_budget_seen).clamp(1e-3, 1e3)
     }
 
-    /// Median learned prefill speed and median `short_speed` (of the instances that have one)
-    /// over the model's first [`POOL_SAMPLE`] instances, 0 where there is none: the same set
-    /// whether the decision scores every instance or a shortlist, one pass, bounded work.
-    fn pool_speeds(&self, model: &str) -> (f64, f64) {
+    /// Median learned prefill speed, median `short_speed` and median trusted decode slope (of
+    /// the instances that have one) over the model's first [`POOL_SAMPLE`] instances, 0 where
+    /// there is none: the same set whether the decision scores every instance or a shortlist,
+    /// one pass, bounded work.
+    fn pool_speeds(&self, model: &str) -> (f64, f64, f64) {
         // Fixed arrays: this runs on every decision, and allocates nothing.
         let mut speeds = [0.0f64; POOL_SAMPLE];
         let mut shorts = [0.0f64; POOL_SAMPLE];
-        let (mut n, mut m) = (0, 0);
+        let mut slopes = [0.0f64; POOL_SAMPLE];
+        let (mut n, mut m, mut k) = (0, 0, 0);
         for &slot in self.fleet.serving(model).iter().take(POOL_SAMPLE) {
             if let Some(instance) = self.fleet.by_slot(slot) {
                 let learned = &instance.learned;
@@ -682,9 +720,17 @@ impl Router {
                     shorts[m] = learned.short_speed;
                     m += 1;
                 }
+                if learned.decode_slope.per_sequence_s > 0.0 {
+                    slopes[k] = learned.decode_slope.per_sequence_s;
+                    k += 1;
+                }
             }
         }
-        (median(&mut speeds[..n]), median(&mut shorts[..m]))
+        (
+            median(&mut speeds[..n]),
+            median(&mut shorts[..m]),
+            median(&mut slopes[..k]),
+        )
     }
 
     fn saturation(&self, instance: &Instance, now: f64) -> Option<Exclusion> {
@@ -1041,6 +1087,8 @@ impl Router {
                 route_seq,
                 pending_floor,
                 pending_key,
+                running_area_at_first_token: 0.0,
+                prefilled_at_first_token: 0,
             },
         );
         self.relevel(id, now);
@@ -1076,6 +1124,11 @@ impl Router {
         };
         instance.load.pending_requests -= 1;
         instance.load.pending_tokens -= u64::from(record.uncached_tokens);
+        let totals = &mut instance.totals;
+        totals.count_running(instance.load.running_requests, now);
+        record.running_area_at_first_token = totals.running_area_s;
+        record.prefilled_at_first_token = totals.prefilled_tokens;
+        totals.prefilled_tokens += u64::from(record.uncached_tokens);
         instance.load.running_requests += 1;
         self.pending_inserts[record.instance.slot as usize].remove(&record.pending_key);
         // The fixed part is at most half of a first token that had `min_sample_tokens` of
@@ -1135,7 +1188,11 @@ impl Router {
                 instance.load.pending_requests -= 1;
                 instance.load.pending_tokens -= u64::from(record.uncached_tokens);
             }
-            Some(_) => instance.load.running_requests -= 1,
+            Some(_) => {
+                let running = instance.load.running_requests;
+                instance.totals.count_running(running, now);
+                instance.load.running_requests -= 1;
+            }
         }
         instance.load.kv_prompt_tokens -= record.kv_prompt_tokens;
         instance.load.kv_output_budget -= u64::from(record.kv_output_budget);
@@ -1176,6 +1233,16 @@ impl Router {
             self.prompt_tokens_seen = ewma(self.prompt_tokens_seen, tokens, rate * 0.5);
             self.bytes_per_token =
                 (self.prompt_bytes_seen / self.prompt_tokens_seen).clamp(0.5, 64.0);
+        }
+        if let (Some(first_token_at), true) = (record.first_token_at, record.kv_output_budget > 0) {
+            learn_decode_slope(
+                self.fleet.get_mut(record.instance),
+                &record,
+                first_token_at,
+                usage.completion_tokens,
+                rate,
+                now,
+            );
         }
         if let Some(cached) = usage.cached_tokens {
             if record.uncached_tokens > 0 || record.predicted_cached_tokens > 0 {

@@ -1683,3 +1683,99 @@ fn a_shortfall_below_the_engines_cache_unit_is_no_eviction() {
         decision.explain(2)
     );
 }
+
+/// Answers of 101 tokens on instance `ids[0]`, in batches of 1 to 4 sequences decoding at once,
+/// each token taking `per_sequence_s` per sequence in the batch: what a CPU engine does.
+fn decode_in_batches(router: &mut Router, ids: &[InstanceId], per_sequence_s: f64) -> f64 {
+    let mut now = 0.0;
+    let mut id = 0u64;
+    for round in 0..40u32 {
+        let batch = 1 + round % 4;
+        let first = id;
+        for _ in 0..batch {
+            let text = prompt(&format!("batch {id} "), 200, id);
+            let decision = router.route(&RouteRequest::text("m", &text), now).unwrap();
+            let plan = decision.plan_for(ids[0]);
+            let routed = Observation::Routed {
+                request: RequestId(id),
+                instance: ids[0],
+                plan,
+            };
+            router.observe(routed, now).unwrap();
+            id += 1;
+        }
+        now += 0.05;
+        for r in first..id {
+            router
+                .observe(Observation::FirstToken(RequestId(r)), now)
+                .unwrap();
+        }
+        now += 100.0 * per_sequence_s * f64::from(batch);
+        for r in first..id {
+            let usage = Usage {
+                prompt_tokens: 200,
+                cached_tokens: None,
+                completion_tokens: 101,
+            };
+            router
+                .observe(Observation::Finished(RequestId(r), Some(usage)), now)
+                .unwrap();
+        }
+        now += 0.01;
+    }
+    now
+}
+
+#[test]
+fn cost_learns_what_one_more_decoding_sequence_costs() {
+    let (mut router, ids) = router("cost", 2);
+    decode_in_batches(&mut router, &ids, 0.001);
+    let slope = router.learned(ids[0]).unwrap().decode_slope.per_sequence_s;
+    assert!(
+        (slope - 0.001).abs() < 0.0001,
+        "learned {slope} s per sequence"
+    );
+}
+
+#[test]
+fn cost_prices_the_decode_batch_a_first_token_comes_out_of() {
+    // Instance 0 holds the prompt's first half (1,000 tokens: 50 ms of prefill at the prior
+    // speed); instance 1 holds nothing. A hundred sequences decode on instance 0: where each
+    // costs a millisecond a step, the first token there comes 100 ms later, more than the
+    // prefill saved; where they cost nothing learned, the holder wins.
+    for (per_sequence_s, expect_holder) in [(0.001, false), (0.0, true)] {
+        let (mut router, ids) = router("cost", 2);
+        let mut now = 0.0;
+        if per_sequence_s > 0.0 {
+            now = decode_in_batches(&mut router, &ids, per_sequence_s);
+        }
+        let shared = "shared system prompt. ";
+        let text = prompt(shared, 2000, 10_000);
+        let held = send(&mut router, 10_000, &RouteRequest::text("m", &text), now);
+        finish(&mut router, 10_000, now + 0.01);
+        let holder = usize::from(held != ids[0]);
+        for id in 10_001..10_101u64 {
+            let text = prompt(&format!("busy {id} "), 100, id);
+            let decision = router.route(&RouteRequest::text("m", &text), now).unwrap();
+            let plan = decision.plan_for(ids[holder]);
+            let routed = Observation::Routed {
+                request: RequestId(id),
+                instance: ids[holder],
+                plan,
+            };
+            router.observe(routed, now).unwrap();
+            router
+                .observe(Observation::FirstToken(RequestId(id)), now + 0.01)
+                .unwrap();
+        }
+        now += 0.02;
+        let text = prompt(shared, 2000, 10_200);
+        let decision = router.route(&RouteRequest::text("m", &text), now).unwrap();
+        assert_eq!(
+            decision.best() == Some(ids[holder]),
+            expect_holder,
+            "per sequence {per_sequence_s} s: {:?}",
+            decision.candidates
+        );
+    }
+}

@@ -32,11 +32,14 @@ fn wait_and_interference_s(
     instance: &Instance,
     view: &LoadView,
     speed: f64,
+    decode_slope_s: f64,
     prefill_s: f64,
     unavoidable_s: f64,
 ) -> (f64, f64) {
     let cost = &config.cost;
-    let wait_s = view.pending_tokens / speed + slot_wait_s(instance, view.in_system);
+    let wait_s = view.pending_tokens / speed
+        + slot_wait_s(instance, view.in_system)
+        + batch_steps_s(instance, view, decode_slope_s);
     // Requests queued behind this one wait for its prefill too: by Little's law about as many
     // arrive while it waits as are queued now (the first one queued is this request's own
     // company, not a backlog). Without this term an overloaded fleet trades cache hits for
@@ -85,9 +88,34 @@ pub fn typical_wait_s(config: &RouterConfig, instance: &Instance, now: f64) -> f
     let view = instance.load_view(now, config.estimates.metrics_stale_after_s);
     let speed = instance.learned.prefill_tokens_per_s.max(1.0);
     let prefill_s = instance.learned.mean_uncached_tokens / speed;
+    let slope = instance.learned.decode_slope.per_sequence_s;
     let (wait_s, interference_s) =
-        wait_and_interference_s(config, instance, &view, speed, prefill_s, 0.0);
+        wait_and_interference_s(config, instance, &view, speed, slope, prefill_s, 0.0);
     wait_s + interference_s
+}
+
+/// The decode work in the steps before this request's first token: its prefill, and each
+/// prefill queued ahead of it, runs in a step that also advances every sequence decoding there,
+/// at the instance's learned cost per sequence ([`crate::decode_slope`]). A GPU's batch costs
+/// next to nothing a step and its slope stays untrusted (0); a CPU engine's costs about a
+/// millisecond per sequence, so a first token behind a batch of 100 comes 0.1 s later per step,
+/// which the prefill speed, learned as an average over all batches, does not say. Requests
+/// waiting for a slot wait for sequences to end, not for steps: their wait is the slot's.
+fn batch_steps_s(instance: &Instance, view: &LoadView, decode_slope_s: f64) -> f64 {
+    // A prefill instance's requests leave at their first token: no batch decodes there.
+    if decode_slope_s <= 0.0 || instance.spec.role == Role::Prefill {
+        return 0.0;
+    }
+    // Every sequence in the instance decodes in those steps once its own prefill is done (up
+    // to the slots it runs at once): the queued prompts ahead join the batch step by step.
+    let (batch, steps) = match full_slots(instance, view.in_system) {
+        Some(max) => (max - 1, 1),
+        None => (
+            view.in_system,
+            1 + view.in_system - view.running.min(view.in_system),
+        ),
+    };
+    decode_slope_s * f64::from(batch) * f64::from(steps)
 }
 
 /// Waiting for a free sequence slot once `max_running` sequences are busy (configured, or
@@ -249,6 +277,19 @@ fn priced_speed(ctx: &ScoringContext<'_>, instance: &Instance) -> f64 {
     }
 }
 
+/// The marginal step time per decoding sequence an instance is priced at: its own learned slope
+/// when it differs from the pool's beyond noise, else the pool's (which an instance that always
+/// ran one batch size, and so learned none, borrows).
+fn priced_decode_slope_s(ctx: &ScoringContext<'_>, instance: &Instance) -> f64 {
+    let own = instance.learned.decode_slope.per_sequence_s;
+    let pool = ctx.pool_decode_slope_s;
+    if own <= 0.0 || (own <= pool * SAME_SPEED_FACTOR && own * SAME_SPEED_FACTOR >= pool) {
+        pool
+    } else {
+        own
+    }
+}
+
 /// The prefill time of `terms`' uncached tokens on `instance`, at its priced speed.
 fn prefill_s(ctx: &ScoringContext<'_>, instance: &Instance, terms: &CostTerms) -> f64 {
     let speed = priced_speed(ctx, instance);
@@ -276,6 +317,7 @@ pub fn prefill_terms(
         instance,
         &view,
         speed,
+        priced_decode_slope_s(ctx, instance),
         terms.prefill_s,
         unavoidable_s,
     );

@@ -143,6 +143,7 @@ mod tests {
             slot_pressure: Default::default(),
             short_speed: 0.0,
             short_samples: 0,
+            decode_slope: Default::default(),
         };
         let id = fleet.add(spec, learned).unwrap();
         let mut i = fleet.remove(id).unwrap();

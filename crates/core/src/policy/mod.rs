@@ -60,6 +60,9 @@ pub struct ScoringContext<'a> {
     /// Median short-prompt speed of the same pool (0: unknown): what an instance without a full
     /// speed sample is compared against.
     pub pool_short_speed: f64,
+    /// Median trusted decode slope of the same pool (s per decoding sequence per step; 0:
+    /// none trusted): what an instance's own slope is compared against.
+    pub pool_decode_slope_s: f64,
 }
 
 impl ScoringContext<'_> {
