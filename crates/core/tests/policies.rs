@@ -1694,14 +1694,7 @@ fn decode_in_batches(router: &mut Router, ids: &[InstanceId], per_sequence_s: f6
         let first = id;
         for _ in 0..batch {
             let text = prompt(&format!("batch {id} "), 200, id);
-            let decision = router.route(&RouteRequest::text("m", &text), now).unwrap();
-            let plan = decision.plan_for(ids[0]);
-            let routed = Observation::Routed {
-                request: RequestId(id),
-                instance: ids[0],
-                plan,
-            };
-            router.observe(routed, now).unwrap();
+            send_to(router, id, &RouteRequest::text("m", &text), ids[0], now);
             id += 1;
         }
         now += 0.05;
@@ -1756,14 +1749,13 @@ fn cost_prices_the_decode_batch_a_first_token_comes_out_of() {
         let holder = usize::from(held != ids[0]);
         for id in 10_001..10_101u64 {
             let text = prompt(&format!("busy {id} "), 100, id);
-            let decision = router.route(&RouteRequest::text("m", &text), now).unwrap();
-            let plan = decision.plan_for(ids[holder]);
-            let routed = Observation::Routed {
-                request: RequestId(id),
-                instance: ids[holder],
-                plan,
-            };
-            router.observe(routed, now).unwrap();
+            send_to(
+                &mut router,
+                id,
+                &RouteRequest::text("m", &text),
+                ids[holder],
+                now,
+            );
             router
                 .observe(Observation::FirstToken(RequestId(id)), now + 0.01)
                 .unwrap();

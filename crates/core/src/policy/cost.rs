@@ -270,11 +270,17 @@ fn priced_speed(ctx: &ScoringContext<'_>, instance: &Instance) -> f64 {
             learned.prefill_tokens_per_s
         };
     let pool = ctx.pool_speed;
-    if pool > 0.0 && own <= pool * SAME_SPEED_FACTOR && own * SAME_SPEED_FACTOR >= pool {
+    if within_noise_of(own, pool) {
         pool
     } else {
         own
     }
+}
+
+/// Whether an instance's learned figure is within [`SAME_SPEED_FACTOR`] of the pool's median
+/// (known): noise between engines of one kind, priced as the median.
+fn within_noise_of(own: f64, pool: f64) -> bool {
+    pool > 0.0 && own <= pool * SAME_SPEED_FACTOR && own * SAME_SPEED_FACTOR >= pool
 }
 
 /// The marginal step time per decoding sequence an instance is priced at: its own learned slope
@@ -283,7 +289,7 @@ fn priced_speed(ctx: &ScoringContext<'_>, instance: &Instance) -> f64 {
 fn priced_decode_slope_s(ctx: &ScoringContext<'_>, instance: &Instance) -> f64 {
     let own = instance.learned.decode_slope.per_sequence_s;
     let pool = ctx.pool_decode_slope_s;
-    if own <= 0.0 || (own <= pool * SAME_SPEED_FACTOR && own * SAME_SPEED_FACTOR >= pool) {
+    if own <= 0.0 || within_noise_of(own, pool) {
         pool
     } else {
         own
