@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::decode_slope::DecodeSlope;
 use crate::prefix::CacheSurvival;
+use crate::running_median::RunningMedian;
 
 pub use crate::id::{InstanceId, Slot};
 
@@ -213,6 +214,10 @@ pub struct Learned {
     pub short_samples: u32,
     /// What one more decoding sequence adds to every step here, learned.
     pub decode_slope: DecodeSlope,
+    /// The part of its first tokens the `cost` estimate does not explain (HTTP, tokenizing,
+    /// scheduling): the median of observed − estimated TTFT, added to the TTFT predictions the
+    /// router reports (not to the scores: every candidate would pay it alike).
+    pub ttft_fixed_s: RunningMedian,
 }
 
 /// The share of recent time an instance had every sequence slot taken. Prefill work added there
@@ -599,6 +604,7 @@ mod tests {
             short_speed: 0.0,
             short_samples: 0,
             decode_slope: Default::default(),
+            ttft_fixed_s: crate::running_median::RunningMedian::new(0.01),
         }
     }
 

@@ -31,6 +31,7 @@ pub mod policy;
 pub mod prefix;
 pub mod request;
 pub mod router;
+pub mod running_median;
 
 pub use config::{ConfigError, RouterConfig};
 pub use decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan, ViewPredictions};

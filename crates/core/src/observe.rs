@@ -107,8 +107,8 @@ pub enum ObserveError {
 /// trust it (drained with [`crate::Router::take_predictions`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Prediction {
-    /// Estimated against observed time to first token, seconds (the fixed part of a TTFT is in
-    /// neither: `ttft_overhead_s` is added to the estimate).
+    /// Estimated against observed time to first token, seconds (the estimate includes the
+    /// instance's learned fixed part, `Learned::ttft_fixed_s`).
     Ttft {
         /// What the decision expected.
         estimated_s: f64,

@@ -22,6 +22,7 @@ use crate::prefix::{
     Slot, LEADING_SPLITS,
 };
 use crate::request::{Phase, RequestId, RequestKind, RouteRequest};
+use crate::running_median::RunningMedian;
 
 /// Why a request could not be routed at all.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -380,6 +381,7 @@ impl Router {
             short_speed: spec.prefill_tokens_per_s.unwrap_or(e.prefill_tokens_per_s),
             short_samples: 0,
             decode_slope: Default::default(),
+            ttft_fixed_s: RunningMedian::new(e.ttft_overhead_s),
         }
     }
 
@@ -1105,10 +1107,19 @@ impl Router {
             return Ok(());
         }
         record.first_token_at = Some(now);
-        let estimate = record
-            .estimated_ttft_s
-            .map(|s| s + self.config.estimates.ttft_overhead_s);
         let observed_s = now - record.routed_at;
+        // The prediction adds the instance's fixed part as learned before this sample, so the
+        // error reported is out of sample; then the sample teaches it.
+        let rate = self.config.estimates.learning_rate;
+        let estimate = match (record.estimated_ttft_s, self.fleet.get_mut(record.instance)) {
+            (Some(raw), Some(instance)) => {
+                let fixed = &mut instance.learned.ttft_fixed_s;
+                let estimate = raw + fixed.value.max(0.0);
+                fixed.update(observed_s - raw, rate);
+                Some(estimate)
+            }
+            _ => None,
+        };
         if let Some(estimated_s) = estimate {
             self.record_prediction(Prediction::Ttft {
                 estimated_s,

@@ -248,3 +248,51 @@ fn every_request_leaves_its_prediction_against_the_outcome() {
     router.take_predictions(&mut out);
     assert_eq!(out.len(), 4, "taken predictions are not repeated");
 }
+
+#[test]
+fn ttft_predictions_learn_the_engines_fixed_part() {
+    // An idle engine whose first tokens take what the estimate says plus 40 ms it does not
+    // model (HTTP, tokenizing, a shared CPU): four times the 10 ms prior.
+    let mut router = Router::new(RouterConfig::default()).unwrap();
+    let id = router.add_instance(InstanceSpec::new("a", "m")).unwrap();
+    let mut errors = Vec::new();
+    for n in 0..60u64 {
+        let text = prompt(n as u8, 1, 2, 2);
+        let now = n as f64;
+        let decision = router.route(&RouteRequest::text("m", &text), now).unwrap();
+        let plan = decision.plan_for(id);
+        let raw = plan.estimated_ttft_s().expect("cost estimates a TTFT");
+        let request = RequestId(n);
+        router
+            .observe(
+                Observation::Routed {
+                    request,
+                    instance: id,
+                    plan,
+                },
+                now,
+            )
+            .unwrap();
+        router
+            .observe(Observation::FirstToken(request), now + raw + 0.040)
+            .unwrap();
+        router
+            .observe(Observation::Finished(request, None), now + raw + 0.1)
+            .unwrap();
+        let mut out = Vec::new();
+        router.take_predictions(&mut out);
+        for p in out {
+            if let Prediction::Ttft { .. } = p {
+                errors.push(p.relative_error());
+            }
+        }
+    }
+    assert_eq!(errors.len(), 60);
+    // The first prediction carries the prior's 30 ms shortfall; the last ones are close.
+    assert!(errors[0] > 0.2, "first error {}", errors[0]);
+    let late = &errors[40..];
+    assert!(
+        late.iter().all(|&e| e < 0.05),
+        "late errors {late:?} (the fixed part was not learned)"
+    );
+}
