@@ -43,6 +43,10 @@ pub struct CostTerms {
     pub prefill_s: f64,
     /// Seconds to load the adapter (0 when resident), plus the swap margin.
     pub adapter_s: f64,
+    /// Of `adapter_s`, a load into a free adapter slot alone (no eviction, no wait for a slot;
+    /// 0 otherwise): the first tokens the router learns the load time from.
+    #[serde(skip)]
+    pub adapter_load_s: f64,
     /// Seconds to move the KV cache from the prefill instance (disaggregated decode only).
     pub transfer_s: f64,
     /// Delay inflicted on the sequences decoding there, weighted (decode-load protection).
@@ -188,6 +192,8 @@ impl Decision {
             session: self.session,
             estimated_ttft_s: (terms.prefill_s > 0.0)
                 .then_some(terms.wait_s + terms.prefill_s + terms.adapter_s + terms.transfer_s),
+            adapter_s: terms.adapter_s,
+            loads_adapter: terms.adapter_load_s > 0.0,
             policy: self.policy,
             memo: self.memo.clone(),
         }
@@ -280,6 +286,10 @@ pub struct RoutePlan {
     /// Seconds to the first token the decision expected there (wait + prefill + adapter +
     /// transfer), when the policy makes such an estimate.
     pub(crate) estimated_ttft_s: Option<f64>,
+    /// The adapter part of that estimate ...
+    pub(crate) adapter_s: f64,
+    /// ... and whether it was a plain load into a free slot (its first token measures one).
+    pub(crate) loads_adapter: bool,
     /// Hash of the request's session key, if any: the routed instance becomes the session's
     /// last instance.
     pub(crate) session: Option<u64>,
@@ -307,6 +317,8 @@ impl RoutePlan {
             is_decode_only: false,
             is_prefill_leg: false,
             estimated_ttft_s: None,
+            adapter_s: 0.0,
+            loads_adapter: false,
             session: None,
             policy: "",
             memo: Vec::new(),

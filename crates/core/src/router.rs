@@ -118,8 +118,11 @@ struct InFlight {
     views: Option<ViewPredictions>,
     /// Touch sequence of each matched block when the request was routed.
     matched_seqs: Vec<u64>,
-    /// The decision's TTFT estimate, if the policy made one.
+    /// The decision's TTFT estimate, if the policy made one ...
     estimated_ttft_s: Option<f64>,
+    /// ... its adapter part, and whether that was a load into a free slot.
+    adapter_s: f64,
+    loads_adapter: bool,
     /// The instance's touch sequence when the request was routed (ages are counted from it).
     route_seq: u64,
     /// Oldest insert still awaiting its first token on the instance when this one was routed.
@@ -163,6 +166,9 @@ pub struct Router {
     /// Predictions against outcomes since the driver last took them (at most
     /// [`MAX_PREDICTIONS`]: a driver that never takes them loses the newest, not memory).
     predictions: Vec<Prediction>,
+    /// How long an adapter load delays a first token, learned from requests that loaded one
+    /// into a free slot (one figure for the fleet: loads read the same kind of files).
+    adapter_load: RunningMedian,
 }
 
 /// Most sessions remembered; past it the memory starts over (sessions are a soft signal).
@@ -283,6 +289,7 @@ impl Router {
             // Equal priors: until answers are measured a request is expected to use its budget.
             output_tokens_seen: 1.0,
             output_budget_seen: 1.0,
+            adapter_load: RunningMedian::new(config.cost.adapter_load_s),
             config,
             fleet: Fleet::default(),
             index: PrefixIndex::new(),
@@ -329,6 +336,16 @@ impl Router {
     /// Learned bytes of prompt text per token.
     pub fn bytes_per_token(&self) -> f64 {
         self.bytes_per_token
+    }
+
+    /// Seconds an adapter load is priced at: learned once a request has loaded one, the
+    /// configured `cost.adapter_load_s` until then.
+    pub fn adapter_load_s(&self) -> f64 {
+        if self.adapter_load.samples > 0 {
+            self.adapter_load.value.max(0.0)
+        } else {
+            self.config.cost.adapter_load_s
+        }
     }
 
     /// Moves the predictions recorded since the last call into `out` (appended).
@@ -615,6 +632,7 @@ impl Router {
             pool_speed,
             pool_short_speed,
             pool_decode_slope_s,
+            adapter_load_s: self.adapter_load_s(),
         };
         self.policy.score(&ctx, &mut candidates, &mut self.rng);
         let memo = self.policy.memo();
@@ -1086,6 +1104,8 @@ impl Router {
                 views: plan.views,
                 matched_seqs,
                 estimated_ttft_s: plan.estimated_ttft_s,
+                adapter_s: plan.adapter_s,
+                loads_adapter: plan.loads_adapter,
                 route_seq,
                 pending_floor,
                 pending_key,
@@ -1110,13 +1130,21 @@ impl Router {
         let observed_s = now - record.routed_at;
         // The prediction adds the instance's fixed part as learned before this sample, so the
         // error reported is out of sample; then the sample teaches it.
+        // A first token behind an adapter load teaches the load time (what it took beyond the
+        // rest of the estimate and the fixed part), not the fixed part.
         let rate = self.config.estimates.learning_rate;
         let estimate = match (record.estimated_ttft_s, self.fleet.get_mut(record.instance)) {
             (Some(raw), Some(instance)) => {
                 let fixed = &mut instance.learned.ttft_fixed_s;
-                let estimate = raw + fixed.value.max(0.0);
-                fixed.update(observed_s - raw, rate);
-                Some(estimate)
+                let fixed_s = fixed.value.max(0.0);
+                if record.loads_adapter {
+                    let without_adapter = raw - record.adapter_s;
+                    self.adapter_load
+                        .update(observed_s - without_adapter - fixed_s, rate);
+                } else {
+                    fixed.update(observed_s - raw, rate);
+                }
+                Some(raw + fixed_s)
             }
             _ => None,
         };

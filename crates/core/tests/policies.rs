@@ -1771,3 +1771,50 @@ fn cost_prices_the_decode_batch_a_first_token_comes_out_of() {
         );
     }
 }
+
+#[test]
+fn cost_learns_how_long_an_adapter_load_takes() {
+    // The engine loads an adapter in 0.1 s where the settings guess 0.5 s.
+    let (mut router, ids) = lora_router("cost", 1, 64, RouterConfig::default());
+    assert_eq!(router.adapter_load_s(), 0.5);
+    let names: Vec<String> = (0..40).map(|n| format!("a{n}")).collect();
+    for (n, name) in names.iter().enumerate() {
+        let now = n as f64;
+        let request = with_adapter(name);
+        let decision = router.route(&request, now).unwrap();
+        let terms = decision.candidate(ids[0]).unwrap().terms;
+        assert!(terms.adapter_s > 0.0, "a new adapter is loaded");
+        let plan = decision.plan_for(ids[0]);
+        let estimate = plan.estimated_ttft_s().unwrap();
+        let id = RequestId(n as u64);
+        router
+            .observe(
+                Observation::Routed {
+                    request: id,
+                    instance: ids[0],
+                    plan,
+                },
+                now,
+            )
+            .unwrap();
+        // The rest of the estimate, the fixed part's 10 ms prior, and the real load.
+        let first_token = now + (estimate - terms.adapter_s) + 0.010 + 0.1;
+        router
+            .observe(Observation::FirstToken(id), first_token)
+            .unwrap();
+        router
+            .observe(Observation::Finished(id, None), first_token + 0.05)
+            .unwrap();
+    }
+    assert!(
+        (router.adapter_load_s() - 0.1).abs() < 0.01,
+        "learned {}",
+        router.adapter_load_s()
+    );
+    let decision = router.route(&with_adapter("new"), 50.0).unwrap();
+    let priced = decision.candidate(ids[0]).unwrap().terms.adapter_s;
+    assert!((priced - 0.1).abs() < 0.01, "priced {priced}");
+    // Loads teach the load time, not the instance's fixed part.
+    let fixed = router.learned(ids[0]).unwrap().ttft_fixed_s;
+    assert_eq!(fixed.samples, 0);
+}

@@ -102,6 +102,8 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
         "router_in_flight": router.in_flight_len(),
         // How much of its `max_tokens` an answer uses, measured: it prices the KV reserved.
         "output_share": router.output_share(),
+        // What an adapter load is priced at: learned once one was measured.
+        "adapter_load_s": router.adapter_load_s(),
         "admission_queue": gw.admission.len(),
         "backends": backends,
         "pending_discovery": pending,

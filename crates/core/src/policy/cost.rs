@@ -181,30 +181,37 @@ fn waits_for_slot(ctx: &ScoringContext<'_>, instance: &Instance, adapter: &str) 
     (running.len() + queued) as u32 >= instance.adapter_slots()
 }
 
-/// Loading the request's adapter if it is not resident, plus evicting another if slots are full,
-/// plus waiting for a slot (about a request's service time) when the slots are spoken for.
-fn adapter_s(ctx: &ScoringContext<'_>, instance: &Instance) -> f64 {
+/// Loading the request's adapter if it is not resident (at the learned load time,
+/// [`ScoringContext::adapter_load_s`]), plus evicting another if slots are full, plus waiting for
+/// a slot (about a request's service time) when the slots are spoken for: (all of it, the load
+/// alone where it is nothing else).
+fn adapter_s(ctx: &ScoringContext<'_>, instance: &Instance) -> (f64, f64) {
     let Some(adapter) = ctx.request.adapter else {
-        return 0.0;
+        return (0.0, 0.0);
     };
     let cost = &ctx.config.cost;
     let contended = waits_for_slot(ctx, instance, adapter);
     if !contended && instance.adapters.is_resident(adapter) {
-        return 0.0;
+        return (0.0, 0.0);
     }
     let full = contended || instance.adapters.resident.len() as u32 >= instance.adapter_slots();
-    let evict = if full { cost.adapter_eviction_s } else { 0.0 };
+    if !full {
+        return (ctx.adapter_load_s, ctx.adapter_load_s);
+    }
     let slot_wait = if contended {
         instance.learned.service_time_s
     } else {
         0.0
     };
-    cost.adapter_load_s + evict + slot_wait
+    (
+        ctx.adapter_load_s + cost.adapter_eviction_s + slot_wait,
+        0.0,
+    )
 }
 
 /// Evicting the only resident copy of an adapter means its next request pays a load somewhere:
 /// a load that would evict the last copy (the least recently used adapter with no running
-/// request, as the engine picks it) costs another `adapter_load_s`. Evicting a replica of an
+/// request, as the engine picks it) costs another load. Evicting a replica of an
 /// adapter that other candidates hold costs only the eviction already priced. `resident[i]`:
 /// the router believes candidate `i` holds the request's adapter.
 fn price_last_copy_evictions(
@@ -241,7 +248,7 @@ fn price_last_copy_evictions(
             }
         }
     }
-    let load = ctx.config.cost.adapter_load_s;
+    let load = ctx.adapter_load_s;
     for (i, victim) in evicting {
         if holders.get(victim).copied().unwrap_or(0) <= 1 {
             candidates[i].terms.adapter_s += load;
@@ -327,7 +334,7 @@ pub fn prefill_terms(
         terms.prefill_s,
         unavoidable_s,
     );
-    terms.adapter_s = adapter_s(ctx, instance);
+    (terms.adapter_s, terms.adapter_load_s) = adapter_s(ctx, instance);
     // A prefill half hands its KV over after one token: the answer grows on the decode side.
     let answer = if ctx.stage == Stage::Prefill {
         0.0
@@ -355,7 +362,7 @@ pub fn decode_terms(
     terms.transfer_s =
         (f64::from(ctx.prompt_tokens) - held).max(0.0) * cost.kv_transfer_s_per_token;
     terms.wait_s = slot_wait_s(instance, view.in_system);
-    terms.adapter_s = adapter_s(ctx, instance);
+    (terms.adapter_s, terms.adapter_load_s) = adapter_s(ctx, instance);
     // A decode joins the batch: every running sequence's step gets a little longer.
     terms.decode_penalty_s = cost.decode_interference_weight * f64::from(view.running) * 0.01;
     let new_tokens = f64::from(ctx.prompt_tokens) + ctx.expected_answer_tokens();

@@ -63,6 +63,9 @@ pub struct ScoringContext<'a> {
     /// Median trusted decode slope of the same pool (s per decoding sequence per step; 0:
     /// none trusted): what an instance's own slope is compared against.
     pub pool_decode_slope_s: f64,
+    /// Seconds an adapter load takes: learned from the first tokens of requests that loaded
+    /// one, `cost.adapter_load_s` until the first.
+    pub adapter_load_s: f64,
 }
 
 impl ScoringContext<'_> {
