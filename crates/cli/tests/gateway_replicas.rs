@@ -89,6 +89,11 @@ async fn in_flight(c: &reqwest::Client, gw: &Proc) -> u64 {
     )
     .await
     .json();
+    in_flight_in(&fleet)
+}
+
+/// Requests one `/admin/fleet` snapshot counts in flight over all backends.
+fn in_flight_in(fleet: &serde_json::Value) -> u64 {
     fleet["backends"]
         .as_array()
         .expect("backends")
@@ -144,7 +149,8 @@ async fn replicas_that_share_decisions_continue_each_others_conversations() {
     let Some(fleet) = counted else {
         panic!("A never counted B's request");
     };
-    assert!(in_flight(&c, &a).await >= 1, "{fleet}");
+    // The same snapshot: on an instant engine the generation may end before a second look.
+    assert!(in_flight_in(&fleet) >= 1, "{fleet}");
     assert_eq!(
         fleet["peers"]["urls"][0]
             .as_str()
