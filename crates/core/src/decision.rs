@@ -43,10 +43,10 @@ pub struct CostTerms {
     pub prefill_s: f64,
     /// Seconds to load the adapter (0 when resident), plus the swap margin.
     pub adapter_s: f64,
-    /// Of `adapter_s`, a load into a free adapter slot alone (no eviction, no wait for a slot;
-    /// 0 otherwise): the first tokens the router learns the load time from.
+    /// Whether `adapter_s` is a load into a free adapter slot alone (no eviction, no wait for a
+    /// slot): the first tokens the router learns the load time from.
     #[serde(skip)]
-    pub adapter_load_s: f64,
+    pub loads_adapter: bool,
     /// Seconds to move the KV cache from the prefill instance (disaggregated decode only).
     pub transfer_s: f64,
     /// Delay inflicted on the sequences decoding there, weighted (decode-load protection).
@@ -193,7 +193,7 @@ impl Decision {
             estimated_ttft_s: (terms.prefill_s > 0.0)
                 .then_some(terms.wait_s + terms.prefill_s + terms.adapter_s + terms.transfer_s),
             adapter_s: terms.adapter_s,
-            loads_adapter: terms.adapter_load_s > 0.0,
+            loads_adapter: terms.loads_adapter,
             policy: self.policy,
             memo: self.memo.clone(),
         }

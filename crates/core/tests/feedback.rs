@@ -5,8 +5,8 @@
 use proptest::prelude::*;
 use switchyard_core::prefix::{chain_seed, tapered_end, tapered_prompt_block_hashes};
 use switchyard_core::{
-    InstanceSpec, Observation, Prediction, Prompt, RequestId, RouteRequest, Router, RouterConfig,
-    Usage,
+    InstanceId, InstanceSpec, Observation, Prediction, Prompt, RequestId, RoutePlan, RouteRequest,
+    Router, RouterConfig, Usage,
 };
 
 const BLOCK_BYTES: usize = 256;
@@ -15,6 +15,20 @@ const BYTES_PER_TOKEN: usize = 4;
 /// Tokens in the first `elements` elements of a chain (the index's tapered blocks).
 fn tokens(elements: usize) -> u32 {
     (tapered_end(elements as u32, BLOCK_BYTES) / BYTES_PER_TOKEN) as u32
+}
+
+/// Tells the router the request was sent where its plan says.
+fn routed(router: &mut Router, request: RequestId, id: InstanceId, plan: RoutePlan, now: f64) {
+    router
+        .observe(
+            Observation::Routed {
+                request,
+                instance: id,
+                plan,
+            },
+            now,
+        )
+        .unwrap();
 }
 
 /// An LRU prefix cache of whole blocks, most recent first, as an engine keeps it.
@@ -145,16 +159,7 @@ fn prediction_error(disable_feedback: bool) -> f64 {
         let plan = decision.plan_for(id);
         let predicted = plan.predicted_cached_tokens();
         let request = RequestId(i);
-        router
-            .observe(
-                Observation::Routed {
-                    request,
-                    instance: id,
-                    plan,
-                },
-                i as f64,
-            )
-            .unwrap();
+        routed(&mut router, request, id, plan, i as f64);
         let cached = tokens(engine.serve(&blocks));
         router
             .observe(Observation::FirstToken(request), i as f64 + 0.1)
@@ -196,16 +201,7 @@ fn every_request_leaves_its_prediction_against_the_outcome() {
         let plan = decision.plan_for(id);
         assert!(plan.estimated_ttft_s().is_some_and(|s| s > 0.0));
         let request = RequestId(n);
-        router
-            .observe(
-                Observation::Routed {
-                    request,
-                    instance: id,
-                    plan,
-                },
-                n as f64,
-            )
-            .unwrap();
+        routed(&mut router, request, id, plan, n as f64);
         router
             .observe(Observation::FirstToken(request), n as f64 + 0.25)
             .unwrap();
@@ -263,16 +259,7 @@ fn ttft_predictions_learn_the_engines_fixed_part() {
         let plan = decision.plan_for(id);
         let raw = plan.estimated_ttft_s().expect("cost estimates a TTFT");
         let request = RequestId(n);
-        router
-            .observe(
-                Observation::Routed {
-                    request,
-                    instance: id,
-                    plan,
-                },
-                now,
-            )
-            .unwrap();
+        routed(&mut router, request, id, plan, now);
         router
             .observe(Observation::FirstToken(request), now + raw + 0.040)
             .unwrap();

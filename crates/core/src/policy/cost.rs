@@ -183,20 +183,20 @@ fn waits_for_slot(ctx: &ScoringContext<'_>, instance: &Instance, adapter: &str) 
 
 /// Loading the request's adapter if it is not resident (at the learned load time,
 /// [`ScoringContext::adapter_load_s`]), plus evicting another if slots are full, plus waiting for
-/// a slot (about a request's service time) when the slots are spoken for: (all of it, the load
-/// alone where it is nothing else).
-fn adapter_s(ctx: &ScoringContext<'_>, instance: &Instance) -> (f64, f64) {
+/// a slot (about a request's service time) when the slots are spoken for: (all of it, whether it
+/// is a load and nothing else).
+fn adapter_s(ctx: &ScoringContext<'_>, instance: &Instance) -> (f64, bool) {
     let Some(adapter) = ctx.request.adapter else {
-        return (0.0, 0.0);
+        return (0.0, false);
     };
     let cost = &ctx.config.cost;
     let contended = waits_for_slot(ctx, instance, adapter);
     if !contended && instance.adapters.is_resident(adapter) {
-        return (0.0, 0.0);
+        return (0.0, false);
     }
     let full = contended || instance.adapters.resident.len() as u32 >= instance.adapter_slots();
     if !full {
-        return (ctx.adapter_load_s, ctx.adapter_load_s);
+        return (ctx.adapter_load_s, true);
     }
     let slot_wait = if contended {
         instance.learned.service_time_s
@@ -205,7 +205,7 @@ fn adapter_s(ctx: &ScoringContext<'_>, instance: &Instance) -> (f64, f64) {
     };
     (
         ctx.adapter_load_s + cost.adapter_eviction_s + slot_wait,
-        0.0,
+        false,
     )
 }
 
@@ -334,7 +334,7 @@ pub fn prefill_terms(
         terms.prefill_s,
         unavoidable_s,
     );
-    (terms.adapter_s, terms.adapter_load_s) = adapter_s(ctx, instance);
+    (terms.adapter_s, terms.loads_adapter) = adapter_s(ctx, instance);
     // A prefill half hands its KV over after one token: the answer grows on the decode side.
     let answer = if ctx.stage == Stage::Prefill {
         0.0
@@ -362,7 +362,7 @@ pub fn decode_terms(
     terms.transfer_s =
         (f64::from(ctx.prompt_tokens) - held).max(0.0) * cost.kv_transfer_s_per_token;
     terms.wait_s = slot_wait_s(instance, view.in_system);
-    (terms.adapter_s, terms.adapter_load_s) = adapter_s(ctx, instance);
+    (terms.adapter_s, terms.loads_adapter) = adapter_s(ctx, instance);
     // A decode joins the batch: every running sequence's step gets a little longer.
     terms.decode_penalty_s = cost.decode_interference_weight * f64::from(view.running) * 0.01;
     let new_tokens = f64::from(ctx.prompt_tokens) + ctx.expected_answer_tokens();
