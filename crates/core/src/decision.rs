@@ -55,6 +55,14 @@ pub struct CostTerms {
     pub kv_penalty_s: f64,
     /// The hits lost to the cache room spent storing again a prefix another candidate holds.
     pub cache_room_s: f64,
+    /// The extra time the answer would take to decode in a batch larger than the candidates
+    /// nothing pulls carry, charged where a shared prefix or an adapter pulls the request
+    /// (packing guard).
+    pub packing_s: f64,
+    /// Whether the deepest block the instance holds of the prompt is one that different prompts
+    /// continue (a shared prefix), not one conversation's own history.
+    #[serde(skip)]
+    pub shared_prefix: bool,
     /// Both views' cached-token predictions, where the instance publishes KV events and the
     /// request carries token ids (to learn which predicts better).
     #[serde(skip)]
@@ -223,7 +231,7 @@ impl Decision {
                 t.prefill_s,
                 t.adapter_s,
                 t.transfer_s,
-                t.decode_penalty_s + t.kv_penalty_s + t.cache_room_s,
+                t.decode_penalty_s + t.kv_penalty_s + t.cache_room_s + t.packing_s,
                 t.cached_tokens,
                 t.uncached_tokens,
                 held

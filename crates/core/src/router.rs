@@ -867,6 +867,10 @@ impl Router {
                 }
             }
             c.terms.matched_blocks = blocks;
+            c.terms.shared_prefix = blocks > 0
+                && hashes
+                    .get(blocks as usize - 1)
+                    .is_some_and(|&h| self.index.branches(h) >= 2);
             c.terms.cached_tokens = cached.min(max_cached);
             c.terms.uncached_tokens = prompt_tokens - c.terms.cached_tokens;
         }

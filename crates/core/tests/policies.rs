@@ -1772,6 +1772,72 @@ fn cost_prices_the_decode_batch_a_first_token_comes_out_of() {
     }
 }
 
+/// Where the next prompt of `prefix` goes when instance 0 holds it (continued by
+/// `continuations` earlier prompts) and decodes twenty sequences while instance 1 decodes none,
+/// on engines whose learned step costs a millisecond per sequence.
+fn prefix_holder_with_a_large_batch(prefix: &str, continuations: u64) -> switchyard_core::Decision {
+    let (mut router, ids) = router("cost", 2);
+    let mut now = decode_in_batches(&mut router, &ids, 0.001);
+    for n in 0..continuations {
+        let id = 20_000 + n;
+        let text = prompt(prefix, 2000, id);
+        send_to(
+            &mut router,
+            id,
+            &RouteRequest::text("m", &text),
+            ids[0],
+            now,
+        );
+        finish(&mut router, id, now + 0.01);
+        now += 0.02;
+    }
+    for id in 30_000..30_020u64 {
+        let text = prompt(&format!("busy {id} "), 100, id);
+        send_to(
+            &mut router,
+            id,
+            &RouteRequest::text("m", &text),
+            ids[0],
+            now,
+        );
+        router
+            .observe(Observation::FirstToken(RequestId(id)), now + 0.01)
+            .unwrap();
+    }
+    now += 0.02;
+    let text = prompt(prefix, 2000, 20_000 + continuations);
+    router.route(&RouteRequest::text("m", &text), now).unwrap()
+}
+
+#[test]
+fn cost_does_not_pack_the_holder_of_a_shared_prefix_but_keeps_a_conversation_there() {
+    // A prefix two prompts have continued differently is shared: every request naming it is
+    // pulled to the holder, so its batch above the other's (21 against 1 sequence) is charged
+    // the answer's slower decode (about 100 tokens at a millisecond per extra sequence), which
+    // outweighs the prefill it saves. One earlier prompt makes it one conversation's history,
+    // which pulls nothing but its own next turn: no charge, the holder wins on its cache.
+    let ids_of = |d: &switchyard_core::Decision| {
+        d.ranked_candidates()
+            .map(|c| (c.instance.slot, c.terms.packing_s))
+            .collect::<Vec<_>>()
+    };
+    let shared = prefix_holder_with_a_large_batch("shared system prompt. ", 2);
+    let best = shared.ranked_candidates().next().unwrap();
+    assert_eq!(best.instance.slot, 1, "{:?}", ids_of(&shared));
+    let holder = shared
+        .candidates
+        .iter()
+        .find(|c| c.instance.slot == 0)
+        .unwrap();
+    assert!(holder.terms.packing_s > 0.5, "{:?}", holder.terms);
+    assert_eq!(best.terms.packing_s, 0.0);
+
+    let private = prefix_holder_with_a_large_batch("one conversation so far. ", 1);
+    let best = private.ranked_candidates().next().unwrap();
+    assert_eq!(best.instance.slot, 0, "{:?}", ids_of(&private));
+    assert_eq!(best.terms.packing_s, 0.0);
+}
+
 #[test]
 fn cost_learns_how_long_an_adapter_load_takes() {
     // The engine loads an adapter in 0.1 s where the settings guess 0.5 s.

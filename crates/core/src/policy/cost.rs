@@ -393,6 +393,37 @@ fn total(terms: &CostTerms) -> f64 {
         + terms.decode_penalty_s
         + terms.kv_penalty_s
         + terms.cache_room_s
+        + terms.packing_s
+}
+
+/// The batch a request would decode in on `instance`: the requests there and itself, at most
+/// the sequences it runs at once.
+fn decode_batch(ctx: &ScoringContext<'_>, instance: &Instance) -> f64 {
+    let in_system = load_view(ctx, instance).in_system + 1;
+    let batch = match instance.max_running().filter(|&max| max > 0) {
+        Some(max) => in_system.min(max),
+        None => in_system,
+    };
+    f64::from(batch)
+}
+
+/// The packing guard: what the answer loses decoding in a batch larger than load balancing
+/// alone gives (the largest batch among the candidates nothing pulls, `reference_batch`): the
+/// instance's learned cost of a sequence in a step ([`crate::decode_slope`]) times the expected
+/// answer tokens, per sequence above it. Charged only where an affinity that many requests
+/// share pulls the request (a prefix that different prompts continue, or an adapter some
+/// candidate lacks): such a pull sends request after request to its holders, and the TTFT
+/// terms alone let their batch grow until each step is slow for everyone there (a CPU engine's
+/// sequence costs about a millisecond a step: zipf and LoRA inter-token p99 3x and 9x the best
+/// baseline's, docs/results.md). One conversation's own history pulls only its next turn, so
+/// it packs nothing; and where nothing pulls, the TTFT terms already balance the load
+/// (charging every candidate traded first tokens for decode time).
+fn packing_s(ctx: &ScoringContext<'_>, instance: &Instance, reference_batch: f64) -> f64 {
+    let excess = decode_batch(ctx, instance) - reference_batch;
+    if excess <= 0.0 {
+        return 0.0;
+    }
+    priced_decode_slope_s(ctx, instance) * ctx.expected_answer_tokens() * excess
 }
 
 /// The cache room a candidate spends storing again the `duplicated` prompt tokens that the best
@@ -487,8 +518,41 @@ impl Policy for CostPolicy {
             .map(|c| c.terms.cached_tokens)
             .max()
             .unwrap_or(0);
-        for c in candidates.iter_mut() {
+        let least_cached = candidates
+            .iter()
+            .map(|c| c.terms.cached_tokens)
+            .min()
+            .unwrap_or(0);
+        // A prefill half decodes nothing: its answer grows on the decode side.
+        let decodes_here = ctx.stage != Stage::Prefill;
+        let adapter = ctx.request.adapter;
+        let adapter_missing_somewhere = adapter.is_some_and(|a| {
+            candidates
+                .iter()
+                .any(|c| !ctx.instance(c).adapters.is_resident(a))
+        });
+        let pulled: Vec<bool> = candidates
+            .iter()
+            .map(|c| {
+                let shared_pull = c.terms.shared_prefix && c.terms.cached_tokens > least_cached;
+                let adapter_pull = adapter_missing_somewhere
+                    && adapter.is_some_and(|a| ctx.instance(c).adapters.is_resident(a));
+                decodes_here && (shared_pull || adapter_pull)
+            })
+            .collect();
+        // The batch load balancing alone gives: the largest among the candidates nothing pulls.
+        let unpulled_batch = candidates
+            .iter()
+            .zip(&pulled)
+            .filter(|(_, &pulled)| !pulled)
+            .map(|(c, _)| decode_batch(ctx, ctx.instance(c)))
+            .reduce(f64::max);
+        for (c, &pulled) in candidates.iter_mut().zip(&pulled) {
             let instance = ctx.instance(c);
+            let packing = match unpulled_batch {
+                Some(reference) if pulled => packing_s(ctx, instance, reference),
+                _ => 0.0,
+            };
             // A decode instance scored for running a request whole competes with a hand-off
             // that stalls no decoding batch: all of its prefill is avoidable.
             let unavoidable_s = if instance.spec.role == Role::Decode {
@@ -499,6 +563,7 @@ impl Policy for CostPolicy {
             let duplicated = most_cached - c.terms.cached_tokens;
             c.terms = prefill_terms(ctx, instance, c.terms, unavoidable_s);
             c.terms.cache_room_s = cache_room_s(ctx, instance, duplicated);
+            c.terms.packing_s = packing;
             c.score = total(&c.terms);
             c.tie_load = start_now_kv(ctx, instance, &c.terms);
         }

@@ -58,6 +58,9 @@ impl Lane {
 struct Holders {
     head: u32,
     count: u32,
+    /// Chains that continued past this block with a block new to the table: one for a
+    /// conversation's own history, more where different prompts share the block.
+    branches: u32,
 }
 
 /// How many leading blocks of a prompt one instance holds.
@@ -178,10 +181,13 @@ impl PrefixIndex {
     pub fn insert(&mut self, slot: Slot, hashes: &[u64]) {
         let capacity = self.lane_mut(slot).capacity as usize;
         let kept = &hashes[..hashes.len().min(capacity)];
+        // Whether the block after the current one (visited just before it) was new to the table.
+        let mut child_is_new = false;
         for &hash in kept.iter().rev() {
             let lane = &mut self.lanes[slot as usize];
             lane.seq += 1;
             let seq = lane.seq;
+            let is_new = !self.holders.contains_key(&hash);
             match self.find(slot, hash) {
                 Some(node) => {
                     self.lru_unlink(node);
@@ -195,7 +201,20 @@ impl PrefixIndex {
                     self.add_node(slot, hash, seq);
                 }
             }
+            if child_is_new {
+                if let Some(holders) = self.holders.get_mut(&hash) {
+                    holders.branches = holders.branches.saturating_add(1);
+                }
+            }
+            child_is_new = is_new;
         }
+    }
+
+    /// How many chains have continued past block `hash` with a block new to the index (while
+    /// some instance held it): 0 or 1 for the end of one conversation's history, more for a
+    /// prefix that different prompts share.
+    pub fn branches(&self, hash: u64) -> u32 {
+        self.holders.get(&hash).map_or(0, |h| h.branches)
     }
 
     fn add_node(&mut self, slot: Slot, hash: u64, seq: u64) {
@@ -230,6 +249,7 @@ impl PrefixIndex {
         let holders = self.holders.entry(hash).or_insert(Holders {
             head: NIL,
             count: 0,
+            branches: 0,
         });
         let old_head = holders.head;
         holders.head = id;
@@ -540,6 +560,29 @@ mod tests {
         index.insert(1, &b);
         assert_eq!(matches(&mut index, &a), BTreeMap::from([(0, 4), (1, 2)]));
         assert_eq!(matches(&mut index, &chain(&[7])), BTreeMap::new());
+    }
+
+    #[test]
+    fn branches_tell_a_shared_prefix_from_one_conversations_history() {
+        let mut index = PrefixIndex::new();
+        for slot in 0..2 {
+            index.set_capacity(slot, 100);
+        }
+        // One conversation: each turn extends the last one's prompt.
+        let turn1 = chain(&[1, 2]);
+        let turn2 = chain(&[1, 2, 3, 4]);
+        index.insert(0, &turn1);
+        index.insert(0, &turn2);
+        assert_eq!(index.branches(turn2[1]), 1);
+        assert_eq!(index.branches(turn2[3]), 0);
+        // The same history stored again elsewhere is no new branch.
+        index.insert(1, &turn2);
+        assert_eq!(index.branches(turn2[1]), 1);
+        // Another prompt continuing the same prefix differently makes it shared.
+        index.insert(1, &chain(&[1, 2, 7]));
+        assert_eq!(index.branches(turn2[1]), 2);
+        assert_eq!(index.branches(turn2[0]), 1);
+        assert_eq!(index.branches(chain(&[9])[0]), 0);
     }
 
     #[test]
