@@ -187,20 +187,20 @@ impl PrefixIndex {
             let lane = &mut self.lanes[slot as usize];
             lane.seq += 1;
             let seq = lane.seq;
-            let is_new = !self.holders.contains_key(&hash);
-            match self.find(slot, hash) {
+            let is_new = match self.find(slot, hash) {
                 Some(node) => {
                     self.lru_unlink(node);
                     self.nodes[node as usize].seq = seq;
                     self.lru_push_front(node);
+                    false
                 }
                 None => {
                     if self.lanes[slot as usize].len >= self.lanes[slot as usize].capacity {
                         self.evict_tail(slot);
                     }
-                    self.add_node(slot, hash, seq);
+                    self.add_node(slot, hash, seq)
                 }
-            }
+            };
             if child_is_new {
                 if let Some(holders) = self.holders.get_mut(&hash) {
                     holders.branches = holders.branches.saturating_add(1);
@@ -217,12 +217,13 @@ impl PrefixIndex {
         self.holders.get(&hash).map_or(0, |h| h.branches)
     }
 
-    fn add_node(&mut self, slot: Slot, hash: u64, seq: u64) {
+    /// Adds the entry; returns whether the block is new to the table (no instance held it).
+    fn add_node(&mut self, slot: Slot, hash: u64, seq: u64) -> bool {
         let key = owner_key(hash, slot);
         if self.owned.contains_key(&key) {
             // A 64-bit key collision with another (block, instance) pair: skip this entry,
             // which only makes the index a little more pessimistic.
-            return;
+            return false;
         }
         let node = Node {
             hash,
@@ -259,6 +260,7 @@ impl PrefixIndex {
             self.nodes[old_head as usize].holder_prev = id;
         }
         self.lru_push_front(id);
+        old_head == NIL
     }
 
     fn lru_push_front(&mut self, node: u32) {
