@@ -53,14 +53,47 @@ impl Lane {
     };
 }
 
-/// Holder list of one block: first holder node and how many there are.
+/// Holder list of one block: first holder node, how many there are and (in the top bits of
+/// the same word, so that a table bucket stays 17 bytes) how many chains continued past it.
 #[derive(Debug, Clone, Copy)]
 struct Holders {
     head: u32,
-    count: u32,
-    /// Chains that continued past this block with a block new to the table: one for a
-    /// conversation's own history, more where different prompts share the block.
-    branches: u32,
+    count_and_branches: u32,
+}
+
+impl Holders {
+    /// Bits of `count_and_branches` below the branch count.
+    const BRANCH_SHIFT: u32 = 30;
+    const COUNT_MASK: u32 = (1 << Self::BRANCH_SHIFT) - 1;
+    /// Branches are counted up to here: what matters is whether there are two.
+    const MAX_BRANCHES: u32 = 3;
+
+    const EMPTY: Holders = Holders {
+        head: NIL,
+        count_and_branches: 0,
+    };
+
+    /// Instances holding the block (a fleet has far fewer than 2^30).
+    fn count(&self) -> u32 {
+        self.count_and_branches & Self::COUNT_MASK
+    }
+
+    fn set_count(&mut self, count: u32) {
+        debug_assert!(count <= Self::COUNT_MASK);
+        self.count_and_branches = (self.count_and_branches & !Self::COUNT_MASK) | count;
+    }
+
+    /// Chains that continued past this block with a block new to the table (at most
+    /// [`Self::MAX_BRANCHES`]): one for a conversation's own history, more where different
+    /// prompts share the block.
+    fn branches(&self) -> u32 {
+        self.count_and_branches >> Self::BRANCH_SHIFT
+    }
+
+    fn add_branch(&mut self) {
+        let branches = (self.branches() + 1).min(Self::MAX_BRANCHES);
+        self.count_and_branches = (branches << Self::BRANCH_SHIFT) | self.count();
+    }
 }
 
 /// How many leading blocks of a prompt one instance holds.
@@ -203,7 +236,7 @@ impl PrefixIndex {
             };
             if child_is_new {
                 if let Some(holders) = self.holders.get_mut(&hash) {
-                    holders.branches = holders.branches.saturating_add(1);
+                    holders.add_branch();
                 }
             }
             child_is_new = is_new;
@@ -211,10 +244,10 @@ impl PrefixIndex {
     }
 
     /// How many chains have continued past block `hash` with a block new to the index (while
-    /// some instance held it): 0 or 1 for the end of one conversation's history, more for a
-    /// prefix that different prompts share.
+    /// some instance held it), counted up to 3: 0 or 1 for the end of one conversation's
+    /// history, more for a prefix that different prompts share.
     pub fn branches(&self, hash: u64) -> u32 {
-        self.holders.get(&hash).map_or(0, |h| h.branches)
+        self.holders.get(&hash).map_or(0, Holders::branches)
     }
 
     /// Adds the entry; returns whether the block is new to the table (no instance held it).
@@ -247,14 +280,10 @@ impl PrefixIndex {
             }
         };
         self.owned.insert(key, id);
-        let holders = self.holders.entry(hash).or_insert(Holders {
-            head: NIL,
-            count: 0,
-            branches: 0,
-        });
+        let holders = self.holders.entry(hash).or_insert(Holders::EMPTY);
         let old_head = holders.head;
         holders.head = id;
-        holders.count += 1;
+        holders.set_count(holders.count() + 1);
         self.nodes[id as usize].holder_next = old_head;
         if old_head != NIL {
             self.nodes[old_head as usize].holder_prev = id;
@@ -318,11 +347,11 @@ impl PrefixIndex {
             self.nodes[holder_next as usize].holder_prev = holder_prev;
         }
         if let Some(holders) = self.holders.get_mut(&hash) {
-            holders.count -= 1;
+            holders.set_count(holders.count() - 1);
             if holders.head == node {
                 holders.head = holder_next;
             }
-            if holders.count == 0 {
+            if holders.count() == 0 {
                 self.holders.remove(&hash);
             }
         }
@@ -368,7 +397,7 @@ impl PrefixIndex {
             hashes
                 .get(k)
                 .and_then(|h| self.holders.get(h))
-                .map_or(0, |h| h.count)
+                .map_or(0, Holders::count)
         };
         let first = count_at(0);
         if first == 0 {
@@ -585,6 +614,15 @@ mod tests {
         assert_eq!(index.branches(turn2[1]), 2);
         assert_eq!(index.branches(turn2[0]), 1);
         assert_eq!(index.branches(chain(&[9])[0]), 0);
+        // Counted up to three, beside the holder count in the same word, which stays exact.
+        for tail in 10..20 {
+            index.insert(0, &chain(&[1, 2, tail]));
+        }
+        assert_eq!(index.branches(turn2[1]), 3);
+        assert_eq!(
+            matches(&mut index, &turn2),
+            BTreeMap::from([(0, 4), (1, 4)])
+        );
     }
 
     #[test]
