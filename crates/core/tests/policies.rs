@@ -1772,6 +1772,11 @@ fn cost_prices_the_decode_batch_a_first_token_comes_out_of() {
     }
 }
 
+/// Routes `text` and records it at `to`.
+fn send_text_to(router: &mut Router, id: u64, text: &str, to: InstanceId, now: f64) {
+    send_to(router, id, &RouteRequest::text("m", text), to, now);
+}
+
 /// Where the next prompt of `prefix` goes when instance 0 holds it (continued by
 /// `continuations` earlier prompts) and decodes twenty sequences while instance 1 decodes none,
 /// on engines whose learned step costs a millisecond per sequence.
@@ -1781,25 +1786,13 @@ fn prefix_holder_with_a_large_batch(prefix: &str, continuations: u64) -> switchy
     for n in 0..continuations {
         let id = 20_000 + n;
         let text = prompt(prefix, 2000, id);
-        send_to(
-            &mut router,
-            id,
-            &RouteRequest::text("m", &text),
-            ids[0],
-            now,
-        );
+        send_text_to(&mut router, id, &text, ids[0], now);
         finish(&mut router, id, now + 0.01);
         now += 0.02;
     }
     for id in 30_000..30_020u64 {
         let text = prompt(&format!("busy {id} "), 100, id);
-        send_to(
-            &mut router,
-            id,
-            &RouteRequest::text("m", &text),
-            ids[0],
-            now,
-        );
+        send_text_to(&mut router, id, &text, ids[0], now);
         router
             .observe(Observation::FirstToken(RequestId(id)), now + 0.01)
             .unwrap();

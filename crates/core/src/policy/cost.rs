@@ -513,16 +513,12 @@ impl Policy for CostPolicy {
             .iter()
             .map(|c| prefill_s(ctx, ctx.instance(c), &c.terms))
             .fold(f64::INFINITY, f64::min);
-        let most_cached = candidates
+        let (least_cached, most_cached) = candidates
             .iter()
             .map(|c| c.terms.cached_tokens)
-            .max()
-            .unwrap_or(0);
-        let least_cached = candidates
-            .iter()
-            .map(|c| c.terms.cached_tokens)
-            .min()
-            .unwrap_or(0);
+            .fold((u32::MAX, 0), |(least, most), t| {
+                (least.min(t), most.max(t))
+            });
         // A prefill half decodes nothing: its answer grows on the decode side.
         let decodes_here = ctx.stage != Stage::Prefill;
         let adapter = ctx.request.adapter;
