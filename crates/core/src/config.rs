@@ -177,6 +177,11 @@ pub struct CostConfig {
     /// Weight of the cache room a candidate would spend storing again a prefix another
     /// candidate already holds, priced by the instance's learned hit share (0: not priced).
     pub cache_room_weight: f64,
+    /// The same weight where the copy would be of one conversation's own history (a prefix no
+    /// other prompt continues): raise it where placement hardly changes first tokens (a small
+    /// model on shared CPUs) to keep conversations with their caches; shared prefixes still
+    /// spread at `cache_room_weight`.
+    pub history_room_weight: f64,
     /// Engine-reported waiting requests at or above which an instance is saturated (none: never).
     pub max_waiting: Option<u32>,
     /// Router-side in-flight requests at or above which an instance is saturated (none: never).
@@ -205,6 +210,7 @@ impl Default for CostConfig {
             shortlist_len: 64,
             queue_interference_weight: 1.0,
             cache_room_weight: 1.0,
+            history_room_weight: 1.0,
             max_waiting: None,
             max_in_flight: None,
         }
@@ -498,6 +504,11 @@ impl RouterConfig {
         check(
             finite_nonneg(c.cache_room_weight),
             "cost.cache_room_weight",
+            "must be >= 0",
+        )?;
+        check(
+            finite_nonneg(c.history_room_weight),
+            "cost.history_room_weight",
             "must be >= 0",
         )?;
         check(

@@ -1483,6 +1483,61 @@ fn cost_prices_the_cache_room_a_second_copy_takes_by_the_hit_share_learned() {
     );
 }
 
+/// A two-instance `cost` router with `history_room_weight` set, where the first instance holds
+/// a document (continued by `continuations` different prompts) and the second has learned that
+/// half of its prompt tokens come from cache: the second's cache room for the next copy.
+fn cache_room_of_a_copy(history_room_weight: f64, continuations: u64) -> f64 {
+    let mut config = RouterConfig {
+        policy: "cost".into(),
+        ..Default::default()
+    };
+    config.cost.history_room_weight = history_room_weight;
+    let mut router = Router::new(config).unwrap();
+    let ids: Vec<InstanceId> = (0..2)
+        .map(|i| {
+            router
+                .add_instance(InstanceSpec::new(format!("i{i}"), "m"))
+                .unwrap()
+        })
+        .collect();
+    let document = |n: u64| prompt("a long document about rivers. ", 3000, n);
+    for n in 1..=continuations {
+        send_text_to(&mut router, n, &document(n), ids[0], 0.0);
+        finish(&mut router, n, 0.5);
+    }
+    for id in 10..40 {
+        let text = prompt("another tenant's prompt. ", 1000, id);
+        send_text_to(&mut router, id, &text, ids[1], 1.0);
+        finish_with_cached(&mut router, id, 500, 1.1, 1.2);
+    }
+    let decision = router
+        .route(&RouteRequest::text("m", &document(100)), 2.0)
+        .unwrap();
+    let other = decision.candidate(ids[1]).unwrap();
+    assert!(other.terms.cache_room_s > 0.0, "{:?}", other.terms);
+    other.terms.cache_room_s
+}
+
+#[test]
+fn a_copy_of_one_conversations_history_is_priced_at_its_own_weight() {
+    // One earlier prompt: the document is one conversation's history, priced at
+    // `history_room_weight`.
+    let history = cache_room_of_a_copy(1.0, 1);
+    let heavier = cache_room_of_a_copy(100.0, 1);
+    assert!(
+        (heavier / history - 100.0).abs() < 1e-6,
+        "{heavier} against {history}"
+    );
+    // Two prompts continued it differently: a shared prefix keeps `cache_room_weight`, so a
+    // popular prefix still spreads however sticky conversations are made.
+    let shared = cache_room_of_a_copy(1.0, 2);
+    let shared_heavier = cache_room_of_a_copy(100.0, 2);
+    assert!(
+        (shared_heavier - shared).abs() < 1e-9,
+        "{shared_heavier} against {shared}"
+    );
+}
+
 #[test]
 fn cost_prices_extra_prefill_by_how_often_every_slot_was_taken() {
     let (mut router, ids) = router("cost", 3);

@@ -432,10 +432,17 @@ fn packing_s(ctx: &ScoringContext<'_>, instance: &Instance, reference_batch: f64
 /// stored token is reused about h / (1 − h) times before it leaves, so the copy costs that many
 /// tokens of someone's prefill. Engines that report no cached tokens never learn a share and pay
 /// nothing.
-fn cache_room_s(ctx: &ScoringContext<'_>, instance: &Instance, duplicated: u32) -> f64 {
+/// `weight`: `cost.cache_room_weight`, or `cost.history_room_weight` where the best holder's
+/// copy is one conversation's own history.
+fn cache_room_s(
+    ctx: &ScoringContext<'_>,
+    instance: &Instance,
+    duplicated: u32,
+    weight: f64,
+) -> f64 {
     let h = instance.learned.hit_share.clamp(0.0, 0.9);
     let speed = priced_speed(ctx, instance);
-    ctx.config.cost.cache_room_weight * f64::from(duplicated) * h / (1.0 - h) / speed
+    weight * f64::from(duplicated) * h / (1.0 - h) / speed
 }
 
 /// Thrashing guard for adapters: a swap must beat an instance already holding the adapter by a
@@ -519,6 +526,17 @@ impl Policy for CostPolicy {
             .fold((u32::MAX, 0), |(least, most), t| {
                 (least.min(t), most.max(t))
             });
+        // A copy of one conversation's history (its best holder's deepest block continued by
+        // no other prompt) is priced at its own weight: that room serves one conversation.
+        let history = most_cached > 0
+            && candidates
+                .iter()
+                .any(|c| c.terms.cached_tokens == most_cached && !c.terms.shared_prefix);
+        let room_weight = if history {
+            ctx.config.cost.history_room_weight
+        } else {
+            ctx.config.cost.cache_room_weight
+        };
         // A prefill half decodes nothing: its answer grows on the decode side.
         let decodes_here = ctx.stage != Stage::Prefill;
         let adapter = ctx.request.adapter;
@@ -558,7 +576,7 @@ impl Policy for CostPolicy {
             };
             let duplicated = most_cached - c.terms.cached_tokens;
             c.terms = prefill_terms(ctx, instance, c.terms, unavoidable_s);
-            c.terms.cache_room_s = cache_room_s(ctx, instance, duplicated);
+            c.terms.cache_room_s = cache_room_s(ctx, instance, duplicated, room_weight);
             c.terms.packing_s = packing;
             c.score = total(&c.terms);
             c.tie_load = start_now_kv(ctx, instance, &c.terms);
