@@ -8,10 +8,17 @@ use switchyard_core::{
 };
 
 fn router(policy: &str, n: usize) -> (Router, Vec<InstanceId>) {
-    let config = RouterConfig {
-        policy: policy.into(),
-        ..Default::default()
-    };
+    router_with(
+        RouterConfig {
+            policy: policy.into(),
+            ..Default::default()
+        },
+        n,
+    )
+}
+
+/// `n` instances of model `m` behind a router with `config`.
+fn router_with(config: RouterConfig, n: usize) -> (Router, Vec<InstanceId>) {
     let mut router = Router::new(config).unwrap();
     let ids = (0..n)
         .map(|i| {
@@ -1492,14 +1499,7 @@ fn cache_room_of_a_copy(history_room_weight: f64, continuations: u64) -> f64 {
         ..Default::default()
     };
     config.cost.history_room_weight = history_room_weight;
-    let mut router = Router::new(config).unwrap();
-    let ids: Vec<InstanceId> = (0..2)
-        .map(|i| {
-            router
-                .add_instance(InstanceSpec::new(format!("i{i}"), "m"))
-                .unwrap()
-        })
-        .collect();
+    let (mut router, ids) = router_with(config, 2);
     let document = |n: u64| prompt("a long document about rivers. ", 3000, n);
     for n in 1..=continuations {
         send_text_to(&mut router, n, &document(n), ids[0], 0.0);

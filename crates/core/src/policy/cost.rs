@@ -520,19 +520,23 @@ impl Policy for CostPolicy {
             .iter()
             .map(|c| prefill_s(ctx, ctx.instance(c), &c.terms))
             .fold(f64::INFINITY, f64::min);
-        let (least_cached, most_cached) = candidates
-            .iter()
-            .map(|c| c.terms.cached_tokens)
-            .fold((u32::MAX, 0), |(least, most), t| {
-                (least.min(t), most.max(t))
-            });
-        // A copy of one conversation's history (its best holder's deepest block continued by
-        // no other prompt) is priced at its own weight: that room serves one conversation.
-        let history = most_cached > 0
-            && candidates
+        // One pass: the least and most cached, and whether a best holder's copy is one
+        // conversation's own history (its deepest block continued by no other prompt), whose
+        // copy is priced at its own weight: that room serves one conversation.
+        let (least_cached, most_cached, history) =
+            candidates
                 .iter()
-                .any(|c| c.terms.cached_tokens == most_cached && !c.terms.shared_prefix);
-        let room_weight = if history {
+                .fold((u32::MAX, 0, false), |(least, most, history), c| {
+                    let t = c.terms.cached_tokens;
+                    let own = !c.terms.shared_prefix;
+                    let history = match t.cmp(&most) {
+                        std::cmp::Ordering::Greater => own,
+                        std::cmp::Ordering::Equal => history || own,
+                        std::cmp::Ordering::Less => history,
+                    };
+                    (least.min(t), most.max(t), history)
+                });
+        let room_weight = if history && most_cached > 0 {
             ctx.config.cost.history_room_weight
         } else {
             ctx.config.cost.cache_room_weight
