@@ -87,6 +87,11 @@ pub struct SimArgs {
     /// workload's answer lengths (a client's generous limit; default: each answer's length).
     #[arg(long, value_name = "TOKENS")]
     client_max_tokens: Option<u32>,
+    /// The engines share this many cores: while more of them have requests, each step takes
+    /// busy engines ÷ cores times its profile time (several llama.cpp servers on one machine);
+    /// with --suite: every run's (default: a device each).
+    #[arg(long, value_name = "CORES")]
+    shared_cores: Option<f64>,
     /// Tell the router each instance's prefill speed from its profile (instead of its prior).
     #[arg(long)]
     prior_from_profile: bool,
@@ -115,8 +120,8 @@ pub struct SimArgs {
 
     /// Run the workload suite instead: `cost` against the baselines on ten workloads, at
     /// round-robin's calibrated capacity and in overload, over --seeds; prints one table of
-    /// ratios. The workload, fleet and router flags above are ignored, except --router-config
-    /// and --profile.
+    /// ratios. The workload, fleet and router flags above are ignored, except --router-config,
+    /// --client-max-tokens, --profile and --shared-cores.
     #[arg(long)]
     suite: bool,
     /// Suite: seeds of the compared runs.
@@ -218,6 +223,7 @@ fn sim_config(args: &SimArgs) -> anyhow::Result<SimConfig> {
             ..KvEventsSim::default()
         }),
         client_max_tokens: args.client_max_tokens,
+        shared_cores: args.shared_cores,
     })
 }
 
@@ -263,6 +269,7 @@ fn run_suite(args: &SimArgs) -> anyhow::Result<()> {
         router: router_settings(args)?,
         client_max_tokens: args.client_max_tokens,
         profile: args.profile.as_deref().map(read_profile).transpose()?,
+        shared_cores: args.shared_cores,
     };
     let started = std::time::Instant::now();
     let results = switchyard_sim::suite::run_suite(&options, &|line| eprintln!("{line}"))?;

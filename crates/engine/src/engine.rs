@@ -46,6 +46,9 @@ pub struct Engine {
     pending: Vec<EngineEvent>,
     /// Debug switch: never fast-forward.
     step_by_step: bool,
+    /// Each step takes this many times its profile time: the compute is shared with other
+    /// engines ([`Engine::set_slowdown`]).
+    slowdown: f64,
 }
 
 impl Engine {
@@ -61,6 +64,7 @@ impl Engine {
             gpu_free_at: f64::NEG_INFINITY,
             pending: Vec::new(),
             step_by_step: false,
+            slowdown: 1.0,
         })
     }
 
@@ -75,6 +79,18 @@ impl Engine {
     /// the physical block ids chosen); only the cost differs.
     pub fn set_step_by_step(&mut self, on: bool) {
         self.step_by_step = on;
+    }
+
+    /// Shares the engine's compute with others: every step composed from now on takes `factor`
+    /// times its profile time (1, the default: a device of its own). While above 1 steps are
+    /// composed one by one, so a later change applies from the next step. Values below 1 or not
+    /// finite are taken as 1.
+    pub fn set_slowdown(&mut self, factor: f64) {
+        self.slowdown = if factor.is_finite() {
+            factor.max(1.0)
+        } else {
+            1.0
+        };
     }
 
     /// Enqueue a request arriving at `now`.
@@ -178,12 +194,13 @@ impl Engine {
         for _ in 0..2 {
             self.sched.compose(t, profile, out);
             if !self.sched.plan.items.is_empty() {
-                let fast = !self.step_by_step && !self.cfg.emit_token_events;
+                let fast =
+                    !self.step_by_step && !self.cfg.emit_token_events && self.slowdown == 1.0;
                 self.inflight = Some(
                     match fast.then(|| Run::try_start(&mut self.sched, t, profile)) {
                         Some(Some(run)) => InFlight::Run(run),
                         _ => InFlight::Step {
-                            end: t + self.sched.plan.time,
+                            end: t + self.sched.plan.time * self.slowdown,
                         },
                     },
                 );
@@ -407,6 +424,29 @@ mod tests {
             e.submit(with("a", req(3, 3, 10, 1)), 9.0),
             Err(SubmitError::UnknownAdapter("a".into()))
         );
+    }
+
+    #[test]
+    fn a_shared_engine_takes_longer_for_every_step() {
+        let p = small_config().profile;
+        let first_and_end = |factor: f64| {
+            let mut e = Engine::new(small_config()).unwrap();
+            e.set_slowdown(factor);
+            let ev = drive(&mut e, vec![(0.0, Act::Submit(req(1, 1, 100, 20)))]);
+            (
+                find(&ev, 1, "first").time(),
+                find(&ev, 1, "finished").time(),
+            )
+        };
+        let (first, end) = first_and_end(1.0);
+        assert!(close(first, p.step_base_s + p.chunk_time(0, 100)));
+        // Twice the time for every step: the prefill's and each decode step's.
+        let (first2, end2) = first_and_end(2.0);
+        assert!(close(first2, 2.0 * first), "{first2} vs {first}");
+        assert!(close(end2, 2.0 * end), "{end2} vs {end}");
+        // Nonsense leaves the engine a device of its own.
+        assert_eq!(first_and_end(f64::NAN), (first, end));
+        assert_eq!(first_and_end(0.5), (first, end));
     }
 
     #[test]

@@ -182,6 +182,11 @@ pub struct SimConfig {
     /// and the gateway assumes its default) and models that stop by themselves. `None`: the
     /// routers are told each answer's exact length, which no real client knows.
     pub client_max_tokens: Option<u32>,
+    /// The engines share this many cores (`None`: each has a device of its own). While more
+    /// engines than that have requests, each step takes busy engines ÷ cores times its profile
+    /// time: several llama.cpp servers on one machine slow each other down, so an idle
+    /// instance is not as fast as it is alone.
+    pub shared_cores: Option<f64>,
 }
 
 impl Default for SimConfig {
@@ -205,6 +210,7 @@ impl Default for SimConfig {
             model: None,
             kv_events: None,
             client_max_tokens: None,
+            shared_cores: None,
         }
     }
 }
@@ -235,6 +241,12 @@ impl SimConfig {
         }
         if !(self.ttft_slo_s.is_finite() && self.ttft_slo_s > 0.0) {
             return Err(setting("ttft_slo_s", "must be > 0"));
+        }
+        if self
+            .shared_cores
+            .is_some_and(|c| !(c.is_finite() && c > 0.0))
+        {
+            return Err(setting("shared_cores", "must be > 0"));
         }
         let prefills = self
             .fleet

@@ -110,6 +110,14 @@ struct Sim {
     ttft_errors: Vec<f64>,
     cached_errors: Vec<f64>,
     kv: Option<KvDelivery>,
+    /// Requests that found every candidate saturated (`cost.max_in_flight` / `max_waiting`),
+    /// in arrival order, as the gateway's admission line holds them: (record, request,
+    /// replica). Only the head routes again, after every event that may free capacity.
+    admission: VecDeque<(usize, Request, u16)>,
+    /// Cores the engines share ([`SimConfig::shared_cores`]), and how many engines have
+    /// requests now.
+    shared_cores: Option<f64>,
+    busy_engines: u32,
 }
 
 /// What one router replica tells the others (`--replica-sync`).
@@ -296,6 +304,9 @@ impl Sim {
                 lost: 0,
                 fallbacks: 0,
             }),
+            admission: VecDeque::new(),
+            shared_cores: config.shared_cores,
+            busy_engines: 0,
         })
     }
 
@@ -464,6 +475,7 @@ impl Sim {
     fn mark_submitted(&mut self, i: usize, now: f64) {
         if self.live[i] == 0 {
             self.busy_since[i] = now;
+            self.busy_engines += 1;
         }
         self.live[i] += 1;
         self.stats[i].requests += 1;
@@ -473,12 +485,17 @@ impl Sim {
         self.live[i] -= 1;
         if self.live[i] == 0 {
             self.stats[i].busy_s += now - self.busy_since[i];
+            self.busy_engines -= 1;
         }
     }
 
     /// Runs engine `i` up to `now`, handles what it reports, and requeues its next event.
     fn advance(&mut self, i: usize, now: f64) -> Result<()> {
         let mut events = std::mem::take(&mut self.events);
+        if let Some(cores) = self.shared_cores {
+            // Processor sharing: the steps composed now run at cores ÷ busy engines of speed.
+            self.engines[i].set_slowdown(f64::from(self.busy_engines.max(1)) / cores);
+        }
         self.engines[i].advance(now, &mut events);
         for event in events.drain(..) {
             self.on_engine_event(i, event)?;
@@ -645,6 +662,42 @@ impl Sim {
             replica,
             ..RequestRecord::default()
         });
+        // Requests already waiting go first: a newcomer joins the end of the line.
+        if !self.admission.is_empty() {
+            self.live_total += 1;
+            self.admission.push_back((index, request.clone(), replica));
+            return Ok(());
+        }
+        if !self.dispatch(index, request, replica, now)? {
+            self.live_total += 1;
+            self.admission.push_back((index, request.clone(), replica));
+        }
+        Ok(())
+    }
+
+    /// Routes the head of the admission line again, as long as it finds capacity (the
+    /// gateway routes its head on every request end and scrape).
+    fn admit_waiting(&mut self, now: f64) -> Result<()> {
+        while let Some((index, request, replica)) = self.admission.pop_front() {
+            self.live_total -= 1;
+            if !self.dispatch(index, &request, replica, now)? {
+                self.live_total += 1;
+                self.admission.push_front((index, request, replica));
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Routes request `index` and submits it; false when every candidate is saturated (the
+    /// caller queues it). A request with no candidate at all is rejected.
+    fn dispatch(
+        &mut self,
+        index: usize,
+        request: &Request,
+        replica: u16,
+        now: f64,
+    ) -> Result<bool> {
         let tokens = encode_request(request);
         self.records[index].prompt_tokens = tokens.len() as u32;
         let adapter = request.adapter.as_deref();
@@ -660,12 +713,15 @@ impl Sim {
             Ok(d) => d,
             Err(_) => {
                 self.records[index].outcome = Outcome::Rejected;
-                return Ok(());
+                return Ok(true);
             }
         };
+        if decision.eligible == 0 && decision.saturated {
+            return Ok(false);
+        }
         let Some(pick) = decision.best() else {
             self.records[index].outcome = Outcome::Rejected;
-            return Ok(());
+            return Ok(true);
         };
         let split = decision.is_disaggregated();
         let decode_pick = if split {
@@ -673,7 +729,7 @@ impl Sim {
                 Some(d) => Some(d),
                 None => {
                     self.records[index].outcome = Outcome::Rejected;
-                    return Ok(());
+                    return Ok(true);
                 }
             }
         } else {
@@ -749,12 +805,13 @@ impl Sim {
             if split {
                 self.observe(replica, Observation::Failed(decode_id(index)), now)?;
             }
-            return Ok(());
+            return Ok(true);
         }
         self.mark_submitted(p, now);
         self.queue
             .schedule_engine(p, self.engines[p].next_event_time());
-        self.submit_decodes()
+        self.submit_decodes()?;
+        Ok(true)
     }
 
     fn on_scrape(&mut self, i: usize, now: f64, interval: f64) -> Result<()> {
@@ -851,6 +908,7 @@ pub fn simulate_with(
                 Event::Engine(i) => {
                     sim.advance(i, clock)?;
                     sim.submit_decodes()?;
+                    sim.admit_waiting(clock)?;
                 }
                 Event::Scrape(i) => {
                     // Scrapes alone never end: with no request left, stop.
@@ -864,6 +922,7 @@ pub fn simulate_with(
                         });
                     }
                     sim.on_scrape(i, clock, config.scrape_interval_s)?;
+                    sim.admit_waiting(clock)?;
                 }
             }
             continue;

@@ -367,6 +367,9 @@ pub struct SuiteOptions {
     /// profile): the suite on an engine the defaults were not tuned on. Knee rates are
     /// calibrated on it, so the loads stay comparable.
     pub profile: Option<Profile>,
+    /// Cores every run's engines share ([`crate::SimConfig::shared_cores`]; `None`: a device
+    /// each).
+    pub shared_cores: Option<f64>,
 }
 
 impl Default for SuiteOptions {
@@ -382,6 +385,7 @@ impl Default for SuiteOptions {
             router: RouterConfig::default(),
             client_max_tokens: None,
             profile: None,
+            shared_cores: None,
         }
     }
 }
@@ -528,6 +532,8 @@ struct Prepared {
     router: RouterConfig,
     /// See [`SuiteOptions::client_max_tokens`].
     client_max_tokens: Option<u32>,
+    /// See [`SuiteOptions::shared_cores`].
+    shared_cores: Option<f64>,
 }
 
 impl Prepared {
@@ -572,6 +578,7 @@ impl Prepared {
             requests,
             router: RouterConfig::default(),
             client_max_tokens: None,
+            shared_cores: None,
         })
     }
 
@@ -598,6 +605,7 @@ impl Prepared {
             model: Some(DEFAULT_MODEL.to_string()),
             router: self.router.clone(),
             client_max_tokens: self.client_max_tokens,
+            shared_cores: self.shared_cores,
             ..SimConfig::default()
         }
     }
@@ -851,6 +859,7 @@ pub fn run_suite(options: &SuiteOptions, log: &(dyn Fn(&str) + Sync)) -> Result<
             Prepared::new(w, &mut traces).map(|p| Prepared {
                 router: options.router.clone(),
                 client_max_tokens: options.client_max_tokens,
+                shared_cores: options.shared_cores,
                 ..p
             })
         })

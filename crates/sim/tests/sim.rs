@@ -83,6 +83,79 @@ fn every_request_finishes_once_and_caches_at_most_its_prompt() {
 }
 
 #[test]
+fn saturated_requests_wait_in_the_routers_line_as_the_gateways_do() {
+    // One request in flight per instance: a burst far beyond it must wait, not be dropped.
+    let mut config = small_fleet(2);
+    config.router.cost.max_in_flight = Some(1);
+    let spec = shared_prefix(60, 400.0);
+    for policy in ["cost", "round-robin"] {
+        let data = simulate(&config, policy, "base", spec.build(config.seed).unwrap()).unwrap();
+        assert_eq!(data.records.len(), 60);
+        for r in &data.records {
+            assert_eq!(r.outcome, Outcome::Finished, "{policy}: {r:?}");
+        }
+        // Never more than one at a time per instance: each starts after the one before ends.
+        let mut spans: Vec<Vec<(f64, f64)>> = vec![Vec::new(); 2];
+        for r in &data.records {
+            spans[r.instance as usize].push((r.first_token, r.finish));
+        }
+        for lane in &mut spans {
+            lane.sort_by(|a, b| a.0.total_cmp(&b.0));
+            for pair in lane.windows(2) {
+                assert!(pair[0].1 <= pair[1].0, "{policy}: overlap {pair:?}");
+            }
+        }
+        // The burst is far beyond two at a time: most of it waited.
+        let waited = data
+            .records
+            .iter()
+            .filter(|r| r.first_token - r.arrival > 0.05)
+            .count();
+        assert!(waited > 30, "{policy}: only {waited} waited");
+    }
+}
+
+#[test]
+fn engines_that_share_cores_slow_each_other_down_only_when_oversubscribed() {
+    let spec = trace(80);
+    let mean_ttft = |cores: Option<f64>| {
+        let config = SimConfig {
+            shared_cores: cores,
+            ..small_fleet(4)
+        };
+        let data = simulate(
+            &config,
+            "round-robin",
+            "base",
+            spec.build(config.seed).unwrap(),
+        )
+        .unwrap();
+        assert!(data.records.iter().all(|r| r.outcome == Outcome::Finished));
+        let n = data.records.len() as f64;
+        data.records
+            .iter()
+            .map(|r| r.first_token - r.arrival)
+            .sum::<f64>()
+            / n
+    };
+    let alone = mean_ttft(None);
+    // As many cores as engines: nobody waits for a core (steps composed one by one give the
+    // fast-forwarded times up to rounding).
+    let roomy = mean_ttft(Some(4.0));
+    assert!((roomy - alone).abs() <= 1e-6 * alone, "{roomy} vs {alone}");
+    let shared = mean_ttft(Some(1.0));
+    assert!(
+        shared > 1.2 * alone,
+        "one core for four engines: {shared} vs {alone}"
+    );
+    let config = SimConfig {
+        shared_cores: Some(0.0),
+        ..small_fleet(4)
+    };
+    assert!(simulate(&config, "cost", "base", spec.build(1).unwrap()).is_err());
+}
+
+#[test]
 fn the_lower_bound_is_below_every_policy() {
     let config = small_fleet(4);
     for spec in [shared_prefix(200, 60.0), trace(80)] {
