@@ -110,10 +110,11 @@ struct Sim {
     ttft_errors: Vec<f64>,
     cached_errors: Vec<f64>,
     kv: Option<KvDelivery>,
-    /// Requests that found every candidate saturated (`cost.max_in_flight` / `max_waiting`),
-    /// in arrival order, as the gateway's admission line holds them: (record, request,
-    /// replica). Only the head routes again, after every event that may free capacity.
-    admission: VecDeque<(usize, Request, u16)>,
+    /// Per replica, the requests that found every candidate saturated (`cost.max_in_flight` /
+    /// `max_waiting`), in arrival order, as each gateway's admission line holds them:
+    /// (record, request). Only a line's head routes again, after every event that may free
+    /// capacity.
+    admission: Vec<VecDeque<(usize, Request)>>,
     /// Cores the engines share ([`SimConfig::shared_cores`]), and how many engines have
     /// requests now.
     shared_cores: Option<f64>,
@@ -304,7 +305,7 @@ impl Sim {
                 lost: 0,
                 fallbacks: 0,
             }),
-            admission: VecDeque::new(),
+            admission: vec![VecDeque::new(); config.replicas as usize],
             shared_cores: config.shared_cores,
             busy_engines: 0,
         })
@@ -662,28 +663,26 @@ impl Sim {
             replica,
             ..RequestRecord::default()
         });
-        // Requests already waiting go first: a newcomer joins the end of the line.
-        if !self.admission.is_empty() {
+        // Requests already waiting go first: a newcomer joins the end of its replica's line.
+        let line = replica as usize;
+        if !self.admission[line].is_empty() || !self.dispatch(index, request, replica, now)? {
             self.live_total += 1;
-            self.admission.push_back((index, request.clone(), replica));
-            return Ok(());
-        }
-        if !self.dispatch(index, request, replica, now)? {
-            self.live_total += 1;
-            self.admission.push_back((index, request.clone(), replica));
+            self.admission[line].push_back((index, request.clone()));
         }
         Ok(())
     }
 
-    /// Routes the head of the admission line again, as long as it finds capacity (the
-    /// gateway routes its head on every request end and scrape).
+    /// Routes the head of each replica's admission line again, as long as it finds capacity
+    /// (the gateway routes its head on every request end and scrape).
     fn admit_waiting(&mut self, now: f64) -> Result<()> {
-        while let Some((index, request, replica)) = self.admission.pop_front() {
-            self.live_total -= 1;
-            if !self.dispatch(index, &request, replica, now)? {
-                self.live_total += 1;
-                self.admission.push_front((index, request, replica));
-                break;
+        for line in 0..self.admission.len() {
+            while let Some((index, request)) = self.admission[line].pop_front() {
+                self.live_total -= 1;
+                if !self.dispatch(index, &request, line as u16, now)? {
+                    self.live_total += 1;
+                    self.admission[line].push_front((index, request));
+                    break;
+                }
             }
         }
         Ok(())

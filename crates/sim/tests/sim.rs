@@ -113,6 +113,29 @@ fn saturated_requests_wait_in_the_routers_line_as_the_gateways_do() {
             .count();
         assert!(waited > 30, "{policy}: only {waited} waited");
     }
+    // Two replicas (each counts only what it sent, and queues in its own line): every request
+    // still finishes, and each instance runs at most one per replica at a time.
+    let two = SimConfig {
+        replicas: 2,
+        ..config
+    };
+    let data = simulate(&two, "cost", "base", spec.build(two.seed).unwrap()).unwrap();
+    assert!(data.records.iter().all(|r| r.outcome == Outcome::Finished));
+    for replica in 0..2 {
+        let mut spans: Vec<Vec<(f64, f64)>> = vec![Vec::new(); 2];
+        for r in data.records.iter().filter(|r| r.replica == replica) {
+            spans[r.instance as usize].push((r.first_token, r.finish));
+        }
+        for lane in &mut spans {
+            lane.sort_by(|a, b| a.0.total_cmp(&b.0));
+            for pair in lane.windows(2) {
+                assert!(
+                    pair[0].1 <= pair[1].0,
+                    "replica {replica}: overlap {pair:?}"
+                );
+            }
+        }
+    }
 }
 
 #[test]
