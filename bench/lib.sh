@@ -12,6 +12,9 @@
 #   cpu_ticks PID...       user + system clock ticks those processes have used
 #   median                 the median of the numbers on stdin (0 if none)
 #   field LINE KEY         the value of KEY=VALUE in a line of such pairs (0 if absent)
+#   llamacpp_workload FILE SCALE DURATION BLOCK_TOKENS MAX_PROMPT_TOKENS
+#                          bench/llamacpp_workload.py's request file for the tiny model (written
+#                          once; its summary in FILE.txt)
 
 bench_processes() {
     TMP=$(mktemp -d "${TMPDIR:-/tmp}/switchyard-$1.XXXXXX")
@@ -114,4 +117,13 @@ field() {
         }
     done
     echo 0
+}
+
+llamacpp_workload() {
+    local file=$1
+    [[ -s $file ]] && return 0
+    mkdir -p "$(dirname "$file")"
+    python3 "$(dirname "${BASH_SOURCE[0]}")/llamacpp_workload.py" "$file" --model tiny-llama \
+        --rate-scale "$2" --duration "$3" --block-tokens "$4" --max-prompt-tokens "$5" \
+        2>"$file.txt" || die "cannot write the workload"
 }

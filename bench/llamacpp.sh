@@ -317,11 +317,7 @@ stop_router() {
 workload() {
     local file=$OUT/workload/mooncake-x$1.jsonl
     if [[ ! -s $file ]]; then
-        mkdir -p "$OUT/workload"
-        python3 "$ROOT/bench/llamacpp_workload.py" "$file" --model "$MODEL" \
-            --rate-scale "$1" --duration "$DURATION" --block-tokens "$BLOCK_TOKENS" \
-            --max-prompt-tokens $((CTX / PARALLEL - 148)) 2>"$file.txt" ||
-            die "cannot write the workload"
+        llamacpp_workload "$file" "$1" "$DURATION" "$BLOCK_TOKENS" $((CTX / PARALLEL - 148))
         cat "$file.txt" >&2
     fi
     echo "$file"

@@ -36,14 +36,10 @@ if [[ -z ${SY:-} ]]; then
 fi
 [[ -x $SY ]] || die "no switchyard binary at $SY"
 
-mkdir -p "$OUT"
+# shellcheck source=bench/lib.sh
+source "$ROOT/bench/lib.sh"
 workload=$OUT/mooncake-x$RATE_SCALE.jsonl
-if [[ ! -s $workload ]]; then
-    python3 "$ROOT/bench/llamacpp_workload.py" "$workload" --model tiny-llama \
-        --rate-scale "$RATE_SCALE" --duration "$DURATION" --block-tokens "$BLOCK_TOKENS" \
-        --max-prompt-tokens $((CTX / PARALLEL - 148)) 2>"$workload.txt" ||
-        die "cannot write the workload"
-fi
+llamacpp_workload "$workload" "$RATE_SCALE" "$DURATION" "$BLOCK_TOKENS" $((CTX / PARALLEL - 148))
 
 args=(sim --workload "$workload" --profile "$ROOT/bench/profiles/cpu-tiny-llamacpp.json"
     --instances 4 --max-num-seqs "$PARALLEL" --max-model-len $((CTX / PARALLEL))
