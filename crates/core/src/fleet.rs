@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::decode_slope::DecodeSlope;
 use crate::prefix::CacheSurvival;
 use crate::running_median::RunningMedian;
+use crate::shared_compute::SharedCompute;
 
 pub use crate::id::{InstanceId, Slot};
 
@@ -214,6 +215,9 @@ pub struct Learned {
     pub short_samples: u32,
     /// What one more decoding sequence adds to every step here, learned.
     pub decode_slope: DecodeSlope,
+    /// How much of its speed the instance loses per other busy instance, learned (0 on
+    /// separate devices).
+    pub shared_compute: SharedCompute,
     /// The part of its first tokens the `cost` estimate does not explain (HTTP, tokenizing,
     /// scheduling): the median of observed − estimated TTFT, added to the TTFT predictions the
     /// router reports (not to the scores: every candidate would pay it alike).
@@ -604,6 +608,7 @@ mod tests {
             short_speed: 0.0,
             short_samples: 0,
             decode_slope: Default::default(),
+            shared_compute: Default::default(),
             ttft_fixed_s: crate::running_median::RunningMedian::new(0.01),
         }
     }

@@ -108,6 +108,7 @@ mod tests {
             short_speed: 0.0,
             short_samples: 0,
             decode_slope: Default::default(),
+            shared_compute: Default::default(),
             ttft_fixed_s: crate::running_median::RunningMedian::new(0.01),
         }
     }

@@ -32,6 +32,7 @@ pub mod prefix;
 pub mod request;
 pub mod router;
 pub mod running_median;
+pub mod shared_compute;
 
 pub use config::{ConfigError, RouterConfig};
 pub use decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan, ViewPredictions};

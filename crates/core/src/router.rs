@@ -23,6 +23,7 @@ use crate::prefix::{
 };
 use crate::request::{Phase, RequestId, RequestKind, RouteRequest};
 use crate::running_median::RunningMedian;
+use crate::shared_compute::BusyInstances;
 
 /// Why a request could not be routed at all.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -132,6 +133,8 @@ struct InFlight {
     /// The instance's [`crate::fleet::WorkTotals`] at this request's first token.
     running_area_at_first_token: f64,
     prefilled_at_first_token: u64,
+    /// The fleet's busy instance-seconds at the first token ([`BusyInstances`]).
+    busy_area_at_first_token: f64,
 }
 
 /// The router: fleet view, prefix index, policy and learned estimates. Pure and single-threaded:
@@ -169,6 +172,8 @@ pub struct Router {
     /// How long an adapter load delays a first token, learned from requests that loaded one
     /// into a free slot (one figure for the fleet: loads read the same kind of files).
     adapter_load: RunningMedian,
+    /// How many instances are busy over time: what each answer's neighbours did meanwhile.
+    busy: BusyInstances,
 }
 
 /// Most sessions remembered; past it the memory starts over (sessions are a soft signal).
@@ -181,6 +186,16 @@ struct SessionMark {
     instance: InstanceId,
     seq: u64,
     bytes: usize,
+}
+
+/// What a decision compares each instance of a model's pool against
+/// ([`Router::pool_figures`]).
+struct PoolFigures {
+    speed: f64,
+    short_speed: f64,
+    decode_slope_s: f64,
+    shared_share: f64,
+    waiting: u32,
 }
 
 /// Most predictions kept between two [`Router::take_predictions`].
@@ -232,6 +247,7 @@ fn learn_decode_slope(
     first_token_at: f64,
     completion_tokens: u32,
     rate: f64,
+    busy_area_now: f64,
     now: f64,
 ) {
     let Some(instance) = instance else { return };
@@ -250,6 +266,15 @@ fn learn_decode_slope(
         .learned
         .decode_slope
         .observe(batch, prefill_per_token, per_token_s, rate);
+    // The instance itself was busy throughout its answer.
+    let neighbours = ((busy_area_now - record.busy_area_at_first_token) / decode_s - 1.0).max(0.0);
+    instance.learned.shared_compute.observe(
+        batch,
+        prefill_per_token,
+        neighbours,
+        per_token_s,
+        rate,
+    );
 }
 
 fn ewma(current: f64, sample: f64, rate: f64) -> f64 {
@@ -290,6 +315,7 @@ impl Router {
             output_tokens_seen: 1.0,
             output_budget_seen: 1.0,
             adapter_load: RunningMedian::new(config.cost.adapter_load_s),
+            busy: BusyInstances::default(),
             config,
             fleet: Fleet::default(),
             index: PrefixIndex::new(),
@@ -398,6 +424,7 @@ impl Router {
             short_speed: spec.prefill_tokens_per_s.unwrap_or(e.prefill_tokens_per_s),
             short_samples: 0,
             decode_slope: Default::default(),
+            shared_compute: Default::default(),
             ttft_fixed_s: RunningMedian::new(e.ttft_overhead_s),
         }
     }
@@ -619,7 +646,7 @@ impl Router {
         } else {
             Stage::Unified
         };
-        let (pool_speed, pool_short_speed, pool_decode_slope_s) = self.pool_speeds(request.model);
+        let pool = self.pool_figures(request.model);
         let ctx = ScoringContext {
             now,
             request,
@@ -629,10 +656,12 @@ impl Router {
             bytes_per_token: self.bytes_per_token,
             output_share: self.output_share(),
             stage,
-            pool_speed,
-            pool_short_speed,
-            pool_decode_slope_s,
+            pool_speed: pool.speed,
+            pool_short_speed: pool.short_speed,
+            pool_decode_slope_s: pool.decode_slope_s,
             adapter_load_s: self.adapter_load_s(),
+            pool_shared_share: pool.shared_share,
+            pool_waiting: pool.waiting,
         };
         self.policy.score(&ctx, &mut candidates, &mut self.rng);
         let memo = self.policy.memo();
@@ -724,16 +753,21 @@ impl Router {
     /// Median learned prefill speed, median `short_speed` and median trusted decode slope (of
     /// the instances that have one) over the model's first [`POOL_SAMPLE`] instances, 0 where
     /// there is none: the same set whether the decision scores every instance or a shortlist,
-    /// one pass, bounded work.
-    fn pool_speeds(&self, model: &str) -> (f64, f64, f64) {
+    /// one pass, bounded work; and the same instances' median shared-compute share and
+    /// requests waiting for a first token.
+    fn pool_figures(&self, model: &str) -> PoolFigures {
         // Fixed arrays: this runs on every decision, and allocates nothing.
         let mut speeds = [0.0f64; POOL_SAMPLE];
         let mut shorts = [0.0f64; POOL_SAMPLE];
         let mut slopes = [0.0f64; POOL_SAMPLE];
         let (mut n, mut m, mut k) = (0, 0, 0);
+        let mut shares = [0.0f64; POOL_SAMPLE];
+        let mut waiting = 0u32;
         for &slot in self.fleet.serving(model).iter().take(POOL_SAMPLE) {
             if let Some(instance) = self.fleet.by_slot(slot) {
                 let learned = &instance.learned;
+                shares[n] = learned.shared_compute.share_per_neighbour;
+                waiting += instance.load.pending_requests;
                 speeds[n] = learned.prefill_tokens_per_s;
                 n += 1;
                 if learned.short_samples > 0 {
@@ -746,11 +780,15 @@ impl Router {
                 }
             }
         }
-        (
-            median(&mut speeds[..n]),
-            median(&mut shorts[..m]),
-            median(&mut slopes[..k]),
-        )
+        PoolFigures {
+            speed: median(&mut speeds[..n]),
+            short_speed: median(&mut shorts[..m]),
+            decode_slope_s: median(&mut slopes[..k]),
+            // The median instance's: engines share a host or they do not, and one fit's
+            // chance excursion on a separate device must not price anything.
+            shared_share: median(&mut shares[..n]),
+            waiting,
+        }
     }
 
     fn saturation(&self, instance: &Instance, now: f64) -> Option<Exclusion> {
@@ -800,6 +838,8 @@ impl Router {
     fn relevel(&mut self, id: InstanceId, now: f64) {
         let e = &self.config.estimates;
         if let Some(instance) = self.fleet.get_mut(id) {
+            self.busy
+                .set(id.slot as usize, instance.load.in_flight() > 0, now);
             let view = instance.load_view(now, e.metrics_stale_after_s);
             let full = instance
                 .max_running()
@@ -1012,6 +1052,9 @@ impl Router {
         self.policy.forget_instance(id.slot);
         self.in_flight.retain(|_, r| r.instance != id);
         self.pending_inserts[id.slot as usize].clear();
+        // No clock here: the area stops counting it as of the last update (time 0 is never
+        // after it), a moment early at most.
+        self.busy.set(id.slot as usize, false, 0.0);
         Ok(())
     }
 
@@ -1115,6 +1158,7 @@ impl Router {
                 pending_key,
                 running_area_at_first_token: 0.0,
                 prefilled_at_first_token: 0,
+                busy_area_at_first_token: 0.0,
             },
         );
         self.relevel(id, now);
@@ -1171,6 +1215,7 @@ impl Router {
         totals.count_running(instance.load.running_requests, now);
         record.running_area_at_first_token = totals.running_area_s;
         record.prefilled_at_first_token = totals.prefilled_tokens;
+        record.busy_area_at_first_token = self.busy.area_at(now);
         totals.prefilled_tokens += u64::from(record.uncached_tokens);
         instance.load.running_requests += 1;
         self.pending_inserts[record.instance.slot as usize].remove(&record.pending_key);
@@ -1278,12 +1323,14 @@ impl Router {
                 (self.prompt_bytes_seen / self.prompt_tokens_seen).clamp(0.5, 64.0);
         }
         if let (Some(first_token_at), true) = (record.first_token_at, record.kv_output_budget > 0) {
+            let busy_area_now = self.busy.area_at(now);
             learn_decode_slope(
                 self.fleet.get_mut(record.instance),
                 &record,
                 first_token_at,
                 usage.completion_tokens,
                 rate,
+                busy_area_now,
                 now,
             );
         }

@@ -1932,3 +1932,127 @@ fn cost_learns_how_long_an_adapter_load_takes() {
     let fixed = router.learned(ids[0]).unwrap().ttft_fixed_s;
     assert_eq!(fixed.samples, 0);
 }
+
+/// Rounds of answers of 101 tokens, one on each of 1-3 of the three instances at once, each token
+/// taking 2 ms times (1 + `share` per other busy instance): engines that share a host's cores
+/// lose `share` of their speed per busy neighbour; `share` 0 is a device each.
+fn answers_beside_neighbours(router: &mut Router, ids: &[InstanceId], share: f64) -> f64 {
+    let mut now = 0.0;
+    let mut id = 0u64;
+    for round in 0..90u32 {
+        let busy = 1 + (round % 3) as usize;
+        let first = id;
+        let start = (round / 3) as usize;
+        for k in 0..busy {
+            let to = ids[(start + k) % ids.len()];
+            let text = prompt(&format!("answer {id} "), 200, id);
+            send_to(router, id, &RouteRequest::text("m", &text), to, now);
+            id += 1;
+        }
+        now += 0.05;
+        for r in first..id {
+            router
+                .observe(Observation::FirstToken(RequestId(r)), now)
+                .unwrap();
+        }
+        let jitter = if round % 2 == 0 { 0.00005 } else { -0.00005 };
+        now += 100.0 * (0.002 * (1.0 + share * (busy - 1) as f64) + jitter);
+        for r in first..id {
+            let usage = Usage {
+                prompt_tokens: 200,
+                cached_tokens: None,
+                completion_tokens: 101,
+            };
+            router
+                .observe(Observation::Finished(RequestId(r), Some(usage)), now)
+                .unwrap();
+        }
+        now += 0.01;
+    }
+    now
+}
+
+#[test]
+fn cost_learns_how_much_engines_sharing_cores_slow_each_other() {
+    for share in [0.5, 0.0] {
+        let (mut router, ids) = router("cost", 3);
+        answers_beside_neighbours(&mut router, &ids, share);
+        for &id in &ids {
+            let learned = router
+                .learned(id)
+                .unwrap()
+                .shared_compute
+                .share_per_neighbour;
+            assert!(
+                (learned - share).abs() < 0.1,
+                "true share {share}, learned {learned} on {id:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn on_shared_cores_a_move_is_charged_the_stall_it_gives_first_tokens_elsewhere() {
+    // Instance 0 holds a conversation and has a long prompt queued; instance 1 is idle; four
+    // requests wait for a first token on instance 2. Moving the conversation to instance 1
+    // prefills it again there, which on shared cores slows instance 2's prefills as well.
+    let mut penalties = Vec::new();
+    for share in [0.5, 0.0] {
+        let (mut router, ids) = router("cost", 3);
+        let mut now = answers_beside_neighbours(&mut router, &ids, share);
+        let history = prompt("our conversation so far. ", 2000, 20_000);
+        send_to(
+            &mut router,
+            20_000,
+            &RouteRequest::text("m", &history),
+            ids[0],
+            now,
+        );
+        finish(&mut router, 20_000, now + 0.1);
+        now += 0.2;
+        let queued = prompt("queued ", 4000, 20_001);
+        send_to(
+            &mut router,
+            20_001,
+            &RouteRequest::text("m", &queued),
+            ids[0],
+            now,
+        );
+        for id in 20_002..20_006u64 {
+            let text = prompt(&format!("waiting {id} "), 500, id);
+            send_to(
+                &mut router,
+                id,
+                &RouteRequest::text("m", &text),
+                ids[2],
+                now,
+            );
+        }
+        let next_turn = format!("{history} and the next question");
+        let decision = router
+            .route(&RouteRequest::text("m", &next_turn), now)
+            .unwrap();
+        let holder = decision.candidate(ids[0]).unwrap().terms;
+        let mover = decision.candidate(ids[1]).unwrap().terms;
+        assert!(holder.cached_tokens > mover.cached_tokens + 1000);
+        penalties.push((
+            holder.decode_penalty_s,
+            mover.decode_penalty_s,
+            mover.prefill_s,
+        ));
+    }
+    let [(holder_shared, mover_shared, prefill), (holder_apart, mover_apart, _)] = penalties[..]
+    else {
+        unreachable!()
+    };
+    // The holder prefills only the new question: nothing avoidable to charge.
+    assert!((holder_shared - holder_apart).abs() < 1e-9, "{penalties:?}");
+    // The mover's avoidable prefill (about its whole prefill) at half speed lost for each of
+    // the five requests waiting for a first token (the four and the queued prompt): about two
+    // and a half times its prefill more.
+    let extra = mover_shared - mover_apart;
+    assert!(
+        extra > 2.0 * prefill && extra < 2.6 * prefill,
+        "{penalties:?}"
+    );
+}

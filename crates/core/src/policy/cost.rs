@@ -426,6 +426,27 @@ fn packing_s(ctx: &ScoringContext<'_>, instance: &Instance, reference_batch: f64
     priced_decode_slope_s(ctx, instance) * ctx.expected_answer_tokens() * excess
 }
 
+/// On engines that share compute, prefill this candidate adds beyond the cheapest candidate's
+/// slows every other busy instance meanwhile, and each request waiting there for a first token
+/// waits that much longer: the avoidable prefill times the pool's learned share of speed lost
+/// per busy neighbour ([`crate::shared_compute`]) per such request. Zero on separate devices,
+/// where the share is not trusted.
+fn shared_stall_s(
+    ctx: &ScoringContext<'_>,
+    instance: &Instance,
+    terms: &CostTerms,
+    unavoidable_s: f64,
+) -> f64 {
+    let share = ctx.pool_shared_share;
+    if share <= 0.0 {
+        return 0.0;
+    }
+    let elsewhere = ctx
+        .pool_waiting
+        .saturating_sub(instance.load.pending_requests);
+    (terms.prefill_s - unavoidable_s).max(0.0) * share * f64::from(elsewhere)
+}
+
 /// The cache room a candidate spends storing again the `duplicated` prompt tokens that the best
 /// holder among the candidates already has: that room held other prefixes, which the instance
 /// reuses at its learned hit share `h`. In steady state every token stored displaces one, and a
@@ -580,6 +601,7 @@ impl Policy for CostPolicy {
             };
             let duplicated = most_cached - c.terms.cached_tokens;
             c.terms = prefill_terms(ctx, instance, c.terms, unavoidable_s);
+            c.terms.decode_penalty_s += shared_stall_s(ctx, instance, &c.terms, unavoidable_s);
             c.terms.cache_room_s = cache_room_s(ctx, instance, duplicated, room_weight);
             c.terms.packing_s = packing;
             c.score = total(&c.terms);

@@ -66,6 +66,11 @@ pub struct ScoringContext<'a> {
     /// Seconds an adapter load takes: learned from the first tokens of requests that loaded
     /// one, `cost.adapter_load_s` until the first.
     pub adapter_load_s: f64,
+    /// Median learned share of its speed an instance of the same pool loses per busy
+    /// neighbour ([`crate::shared_compute`]; 0 on separate devices).
+    pub pool_shared_share: f64,
+    /// Requests of the same pool waiting for a first token (sent by this router).
+    pub pool_waiting: u32,
 }
 
 impl ScoringContext<'_> {
