@@ -28,7 +28,8 @@
 # failure or Ctrl-C. Results: $OUT/runs/ROUTER/REP/ (results.json from `switchyard bench`,
 # engine metrics and request counts before/after, router CPU once ready and at the end,
 # router and engine logs),
-# $OUT/tables.md (bench/llamacpp_report.py).
+# $OUT/tables.md (bench/llamacpp_report.py), $OUT/sharing.txt (bench/llamacpp_sharing.py: how
+# much the engines slowed each other, from their logs).
 #
 # Usage: bash bench/llamacpp.sh
 # Knobs (environment):
@@ -412,4 +413,8 @@ for rep in $(seq 1 "$REPEAT"); do
     done
 done
 python3 "$ROOT/bench/llamacpp_report.py" "$OUT" | tee "$OUT/tables.md"
-log "results in $OUT ($(($(date +%s) - started)) s)"
+# How much the engines slowed each other in each run, from their own logs (the router's
+# shared-compute charge stays off where this is small; docs/benchmarks.md).
+"$PY" "$ROOT/bench/llamacpp_sharing.py" "$OUT"/runs/*/* >"$OUT/sharing.txt" ||
+    log "could not read the engines' logs for bench/llamacpp_sharing.py"
+log "results in $OUT ($(($(date +%s) - started)) s); engines' sharing in $OUT/sharing.txt"
