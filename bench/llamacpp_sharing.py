@@ -20,7 +20,9 @@ Two least-squares fits, over every request of the run:
   engine loses per busy neighbour, the figure the router learns (`Learned::shared_compute`,
   docs/core.md);
 - prompt evaluations (at least 64 new tokens): time against the new tokens, the other requests
-  on its engine and the other engines busy meanwhile.
+  on its engine evaluating a prompt meanwhile, those decoding meanwhile, and the other engines
+  busy meanwhile (llama.cpp evaluates the prompts of its busy slots in the same batches, so a
+  prompt evaluated beside another takes longer by about the other's evaluation).
 
 On engines that do not share compute both neighbour coefficients are zero within their standard
 errors. Needs numpy (the project's .venv has it).
@@ -136,9 +138,12 @@ def analyse(run_dir):
             p1 = w0
             p0 = p1 - t["P"]
             if t["N"] >= 64 and p1 > p0:
-                beside = sum(overlap(u["start"], u["end"], p0, p1) for u in tasks
-                             if u is not t) / (p1 - p0)
-                prompts.append((t["N"], beside, others_busy(engines, e, p0, p1), t["P"]))
+                prefilling = sum(overlap(u["start"], u["end"] - u["E"], p0, p1) for u in tasks
+                                 if u is not t) / (p1 - p0)
+                decoding = sum(overlap(u["end"] - u["E"], u["end"], p0, p1) for u in tasks
+                               if u is not t) / (p1 - p0)
+                prompts.append((t["N"], prefilling, decoding, others_busy(engines, e, p0, p1),
+                                t["P"]))
     beta, se, a = fit(answers)
     alone = a[:, 3].mean() - beta[3] * a[:, 2].mean()
     print(f"{run_dir}: {len(engines)} engines")
@@ -148,10 +153,11 @@ def analyse(run_dir):
           f"{beta[3] * 1e3:.3f} ± {se[3] * 1e3:.3f} ms (share {beta[3] / alone:.3f}; "
           f"neighbours busy {a[:, 2].mean():.2f} on average)")
     beta, se, a = fit(prompts)
-    print(f"  prompts ({len(a)}): {a[:, 3].mean() * 1e3:.1f} ms each; per new token "
-          f"{beta[1] * 1e6:.1f} µs, per request beside {beta[2] * 1e3:.2f} ± {se[2] * 1e3:.2f} ms, "
-          f"per busy neighbour {beta[3] * 1e3:.2f} ± {se[3] * 1e3:.2f} ms "
-          f"(neighbours busy {a[:, 2].mean():.2f} on average)")
+    print(f"  prompts ({len(a)}): {a[:, 4].mean() * 1e3:.1f} ms each; per new token "
+          f"{beta[1] * 1e6:.1f} µs, per prompt evaluated beside {beta[2] * 1e3:.2f} ± "
+          f"{se[2] * 1e3:.2f} ms, per answer decoding beside {beta[3] * 1e3:.2f} ± "
+          f"{se[3] * 1e3:.2f} ms, per busy neighbour {beta[4] * 1e3:.2f} ± {se[4] * 1e3:.2f} ms "
+          f"(neighbours busy {a[:, 3].mean():.2f} on average)")
 
 
 def main():
