@@ -785,8 +785,13 @@ impl Router {
             short_speed: median(&mut shorts[..m]),
             decode_slope_s: median(&mut slopes[..k]),
             // The median instance's: engines share a host or they do not, and one fit's
-            // chance excursion on a separate device must not price anything.
-            shared_share: median(&mut shares[..n]),
+            // chance excursion on a separate device must not price anything. Separate
+            // devices (every share 0) skip the sort.
+            shared_share: if shares[..n].iter().any(|&s| s > 0.0) {
+                median(&mut shares[..n])
+            } else {
+                0.0
+            },
             waiting,
         }
     }

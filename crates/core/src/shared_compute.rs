@@ -88,24 +88,33 @@ impl SharedCompute {
         }
         let mean = |i: usize| self.sums[0][i] / w;
         let cov = |i: usize, j: usize| self.sums[i][j] / w - mean(i) * mean(j);
-        // Regressors with spread; the neighbours' (3) must be one of them.
-        let used: Vec<usize> = (1..4).filter(|&i| cov(i, i) > 1e-12).collect();
-        let u = used.iter().position(|&i| i == 3)?;
-        let k = used.len();
-        let mut a = vec![vec![0.0; k]; k];
-        let mut b = vec![0.0; k];
-        for (r, &i) in used.iter().enumerate() {
-            for (c, &j) in used.iter().enumerate() {
-                a[r][c] = cov(i, j);
-            }
-            b[r] = cov(i, 4);
+        // Regressors with spread, the neighbours' (3) last: this runs at every finished
+        // answer, so fixed arrays, no allocation.
+        let mut used = [0usize; 3];
+        let mut k = 0;
+        for i in (1..3).filter(|&i| cov(i, i) > 1e-12) {
+            used[k] = i;
+            k += 1;
         }
-        let coefficients = solve(a.clone(), b.clone())?;
-        // The neighbours' diagonal element of the inverse: solve against its unit vector.
-        let mut unit = vec![0.0; k];
-        unit[u] = 1.0;
-        let inverse_uu = solve(a, unit)?[u];
-        let explained: f64 = coefficients.iter().zip(&b).map(|(c, v)| c * v).sum();
+        if cov(3, 3) <= 1e-12 {
+            return None;
+        }
+        used[k] = 3;
+        k += 1;
+        let u = k - 1;
+        let mut a = [[0.0; 3]; 3];
+        let mut b = [0.0; 3];
+        for r in 0..k {
+            for c in 0..k {
+                a[r][c] = cov(used[r], used[c]);
+            }
+            b[r] = cov(used[r], 4);
+        }
+        let inverse = invert(a, k)?;
+        let coefficients: [f64; 3] =
+            std::array::from_fn(|r| (0..k).map(|c| inverse[r][c] * b[c]).sum());
+        let inverse_uu = inverse[u][u];
+        let explained: f64 = (0..k).map(|r| coefficients[r] * b[r]).sum();
         let residual = (cov(4, 4) - explained).max(0.0);
         // The weights' effective sample count (about 2 / rate - 1), bounded by the samples.
         let effective = f64::from(self.samples).min(w * 2.0);
@@ -167,13 +176,17 @@ impl BusyInstances {
     }
 }
 
-/// Solves `a x = b` by Gaussian elimination with partial pivoting (a small dense system);
-/// `None` when `a` is singular.
-fn solve(mut a: Vec<Vec<f64>>, mut b: Vec<f64>) -> Option<Vec<f64>> {
-    let n = b.len();
-    let scale = a
+/// The inverse of the top-left `n` x `n` block of `a` (Gauss-Jordan with partial pivoting);
+/// `None` when it is singular. The coefficients and the neighbours' standard error both come
+/// from it.
+fn invert(mut a: [[f64; 3]; 3], n: usize) -> Option<[[f64; 3]; 3]> {
+    let mut inverse = [[0.0; 3]; 3];
+    for (i, row) in inverse.iter_mut().enumerate().take(n) {
+        row[i] = 1.0;
+    }
+    let scale = a[..n]
         .iter()
-        .flatten()
+        .flat_map(|row| &row[..n])
         .fold(0.0f64, |m, v| m.max(v.abs()))
         .max(f64::MIN_POSITIVE);
     for col in 0..n {
@@ -182,23 +195,24 @@ fn solve(mut a: Vec<Vec<f64>>, mut b: Vec<f64>) -> Option<Vec<f64>> {
             return None;
         }
         a.swap(col, pivot);
-        b.swap(col, pivot);
-        let (upper, lower) = a.split_at_mut(col + 1);
-        let pivot_row = &upper[col];
-        for (offset, row) in lower.iter_mut().enumerate() {
-            let f = row[col] / pivot_row[col];
-            for (value, p) in row[col..].iter_mut().zip(&pivot_row[col..]) {
-                *value -= f * p;
+        inverse.swap(col, pivot);
+        let p = a[col][col];
+        for c in 0..n {
+            a[col][c] /= p;
+            inverse[col][c] /= p;
+        }
+        for row in 0..n {
+            if row == col {
+                continue;
             }
-            b[col + 1 + offset] -= f * b[col];
+            let f = a[row][col];
+            for c in 0..n {
+                a[row][c] -= f * a[col][c];
+                inverse[row][c] -= f * inverse[col][c];
+            }
         }
     }
-    let mut x = vec![0.0; n];
-    for row in (0..n).rev() {
-        let rest: f64 = (row + 1..n).map(|c| a[row][c] * x[c]).sum();
-        x[row] = (b[row] - rest) / a[row][row];
-    }
-    Some(x)
+    Some(inverse)
 }
 
 #[cfg(test)]
@@ -294,13 +308,25 @@ mod tests {
         assert!((busy.area_at(9.0) - 6.0).abs() < 1e-12);
     }
 
+    /// Solves the top-left `n` x `n` system `a x = b` through [`invert`].
+    fn solve(a: [[f64; 3]; 3], b: [f64; 3], n: usize) -> Option<Vec<f64>> {
+        let inverse = invert(a, n)?;
+        Some(
+            (0..n)
+                .map(|r| (0..n).map(|c| inverse[r][c] * b[c]).sum())
+                .collect(),
+        )
+    }
+
     #[test]
     fn the_solver_solves_and_refuses_singular_systems() {
-        let x = solve(vec![vec![2.0, 1.0], vec![1.0, 3.0]], vec![3.0, 5.0]).unwrap();
+        let a = [[2.0, 1.0, 9.0], [1.0, 3.0, 9.0], [9.0, 9.0, 9.0]];
+        let x = solve(a, [3.0, 5.0, 9.0], 2).unwrap();
         assert!(
             (x[0] - 0.8).abs() < 1e-12 && (x[1] - 1.4).abs() < 1e-12,
             "{x:?}"
         );
-        assert!(solve(vec![vec![1.0, 2.0], vec![2.0, 4.0]], vec![1.0, 2.0]).is_none());
+        let singular = [[1.0, 2.0, 0.0], [2.0, 4.0, 0.0], [0.0, 0.0, 0.0]];
+        assert!(solve(singular, [1.0, 2.0, 0.0], 2).is_none());
     }
 }

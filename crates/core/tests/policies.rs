@@ -1739,6 +1739,44 @@ fn a_shortfall_below_the_engines_cache_unit_is_no_eviction() {
     );
 }
 
+/// One round of 200-token prompts sent at `now`, one to each of `targets` (ids from `*next_id`,
+/// prompts labelled `label`), first tokens 50 ms later and answers of 101 tokens `answer_s`
+/// after that; returns the time 10 ms after they end.
+fn answer_round(
+    router: &mut Router,
+    targets: &[InstanceId],
+    label: &str,
+    next_id: &mut u64,
+    mut now: f64,
+    answer_s: f64,
+) -> f64 {
+    let first = *next_id;
+    for &to in targets {
+        let id = *next_id;
+        let text = prompt(&format!("{label} {id} "), 200, id);
+        send_to(router, id, &RouteRequest::text("m", &text), to, now);
+        *next_id += 1;
+    }
+    now += 0.05;
+    for r in first..*next_id {
+        router
+            .observe(Observation::FirstToken(RequestId(r)), now)
+            .unwrap();
+    }
+    now += answer_s;
+    for r in first..*next_id {
+        let usage = Usage {
+            prompt_tokens: 200,
+            cached_tokens: None,
+            completion_tokens: 101,
+        };
+        router
+            .observe(Observation::Finished(RequestId(r), Some(usage)), now)
+            .unwrap();
+    }
+    now + 0.01
+}
+
 /// Answers of 101 tokens on instance `ids[0]`, in batches of 1 to 4 sequences decoding at once,
 /// each token taking `per_sequence_s` per sequence in the batch: what a CPU engine does.
 fn decode_in_batches(router: &mut Router, ids: &[InstanceId], per_sequence_s: f64) -> f64 {
@@ -1746,30 +1784,9 @@ fn decode_in_batches(router: &mut Router, ids: &[InstanceId], per_sequence_s: f6
     let mut id = 0u64;
     for round in 0..40u32 {
         let batch = 1 + round % 4;
-        let first = id;
-        for _ in 0..batch {
-            let text = prompt(&format!("batch {id} "), 200, id);
-            send_to(router, id, &RouteRequest::text("m", &text), ids[0], now);
-            id += 1;
-        }
-        now += 0.05;
-        for r in first..id {
-            router
-                .observe(Observation::FirstToken(RequestId(r)), now)
-                .unwrap();
-        }
-        now += 100.0 * per_sequence_s * f64::from(batch);
-        for r in first..id {
-            let usage = Usage {
-                prompt_tokens: 200,
-                cached_tokens: None,
-                completion_tokens: 101,
-            };
-            router
-                .observe(Observation::Finished(RequestId(r), Some(usage)), now)
-                .unwrap();
-        }
-        now += 0.01;
+        let targets = vec![ids[0]; batch as usize];
+        let answer_s = 100.0 * per_sequence_s * f64::from(batch);
+        now = answer_round(router, &targets, "batch", &mut id, now, answer_s);
     }
     now
 }
@@ -1941,33 +1958,11 @@ fn answers_beside_neighbours(router: &mut Router, ids: &[InstanceId], share: f64
     let mut id = 0u64;
     for round in 0..90u32 {
         let busy = 1 + (round % 3) as usize;
-        let first = id;
         let start = (round / 3) as usize;
-        for k in 0..busy {
-            let to = ids[(start + k) % ids.len()];
-            let text = prompt(&format!("answer {id} "), 200, id);
-            send_to(router, id, &RouteRequest::text("m", &text), to, now);
-            id += 1;
-        }
-        now += 0.05;
-        for r in first..id {
-            router
-                .observe(Observation::FirstToken(RequestId(r)), now)
-                .unwrap();
-        }
+        let targets: Vec<InstanceId> = (0..busy).map(|k| ids[(start + k) % ids.len()]).collect();
         let jitter = if round % 2 == 0 { 0.00005 } else { -0.00005 };
-        now += 100.0 * (0.002 * (1.0 + share * (busy - 1) as f64) + jitter);
-        for r in first..id {
-            let usage = Usage {
-                prompt_tokens: 200,
-                cached_tokens: None,
-                completion_tokens: 101,
-            };
-            router
-                .observe(Observation::Finished(RequestId(r), Some(usage)), now)
-                .unwrap();
-        }
-        now += 0.01;
+        let answer_s = 100.0 * (0.002 * (1.0 + share * (busy - 1) as f64) + jitter);
+        now = answer_round(router, &targets, "answer", &mut id, now, answer_s);
     }
     now
 }
