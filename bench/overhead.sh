@@ -25,13 +25,17 @@
 # loop, which yields to any real work at once, so what remains is the work on the request path.
 # STREAM=1 adds streamed rows. BASELINE=PATH (another build's `switchyard` binary) adds a
 # `baseline` target served by it, measured in the same rounds as `switchyard` (before/after
-# comparisons without the drift between runs). Everything stops by itself and every process and temp file is
-# removed on exit, failure or Ctrl-C.
+# comparisons without the drift between runs). TOKENIZER=1 makes the emulators publish KV
+# events and gives switchyard (and the baseline) the emulators' tokenizer.json and each
+# backend's event stream, so chat prompts are tokenized for exact matching; UNIQUE=1 starts
+# every prompt with its request number (spelled in the prompt's words), so no two share a
+# prefix and every prompt is new to the tokenizer's piece cache. Everything stops by itself and
+# every process and temp file is removed on exit, failure or Ctrl-C.
 #
 # Usage: bash bench/overhead.sh
 # Knobs (environment): RATES DURATION WARMUP REPEATS IDLE SEARCH SEARCH_START SEARCH_MAX
 #   SEARCH_DURATION SEARCH_WARMUP SEARCH_TRIES P99_LIMIT_US PIN STREAM WORDS MAX_TOKENS QUIET_WAIT
-#   BASELINE
+#   BASELINE TOKENIZER UNIQUE
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -54,6 +58,8 @@ WORDS=${WORDS:-2048}
 MAX_TOKENS=${MAX_TOKENS:-4}
 QUIET_WAIT=${QUIET_WAIT:-120}
 BASELINE=${BASELINE:-}
+TOKENIZER=${TOKENIZER:-0}
+UNIQUE=${UNIQUE:-0}
 MODEL=m
 
 case $PIN in
@@ -158,21 +164,43 @@ wait_quiet() {
 
 # --- start the fleet --------------------------------------------------------------------
 log "starting 2 instant emulators, switchyard serve and nginx (PIN=$PIN)..."
-start_on e1 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 1
+EMU_KV=()
+E1_EXTRA=()
+if [[ $TOKENIZER == 1 ]]; then
+    mkdir -p "$TMP/tokenizer"
+    EMU_KV=(--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-bind)
+    E1_EXTRA=(--write-tokenizer "$TMP/tokenizer/tokenizer.json")
+fi
+start_on e1 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 1 "${EMU_KV[@]}" \
+    "${E1_EXTRA[@]}"
 E1_PID=$LAST_PID
-start_on e2 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 2
+start_on e2 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 2 "${EMU_KV[@]}"
 E2_PID=$LAST_PID
 E1=$(address e1 "$E1_PID")
 E2=$(address e2 "$E2_PID")
+# What switchyard is told of each backend (and, with TOKENIZER=1, of the tokenizer).
+SW_BACKENDS=(--backend "$E1" --backend "$E2")
+if [[ $TOKENIZER == 1 ]]; then
+    kv_of() { grep -o -m1 'kv-events on tcp://[0-9.]*:[0-9]*' "$TMP/$1.out" | cut -d' ' -f3; }
+    for _ in $(seq 1 200); do
+        [[ -n $(kv_of e1) && -n $(kv_of e2) ]] && break
+        sleep 0.05
+    done
+    [[ -n $(kv_of e1) && -n $(kv_of e2) ]] || die "the emulators printed no kv-events endpoint"
+    SW_BACKENDS=(--backend "$E1,kv_events=$(kv_of e1)" --backend "$E2,kv_events=$(kv_of e2)"
+        --tokenizer "$MODEL=$TMP/tokenizer/tokenizer.json")
+fi
+GEN_EXTRA=()
+[[ $UNIQUE == 1 ]] && GEN_EXTRA=(--unique)
 
 start_on switchyard "$SUT_CPU" "$SY" serve --listen 127.0.0.1:0 --policy cost "${SW_THREADS[@]}" \
-    --backend "$E1" --backend "$E2"
+    "${SW_BACKENDS[@]}"
 SW_PID=$LAST_PID
 SW=$(address switchyard "$SW_PID")
 TARGETS=(direct switchyard nginx)
 if [[ -n $BASELINE ]]; then
     start_on baseline "$SUT_CPU" "$BASELINE" serve --listen 127.0.0.1:0 --policy cost \
-        "${SW_THREADS[@]}" --backend "$E1" --backend "$E2"
+        "${SW_THREADS[@]}" "${SW_BACKENDS[@]}"
     BASE_PID=$LAST_PID
     BASE=$(address baseline "$BASE_PID")
     TARGETS=(direct baseline switchyard nginx)
@@ -251,7 +279,8 @@ run() {
     all0=$(busy_ticks)
     line=$(pinned "$GEN_CPU" "$GEN" --url "${URL[$target]}" --label "$target" --rate "$rate" \
         --duration "$duration" --warmup "$warmup" --model "$MODEL" --words "$WORDS" \
-        --max-tokens "$MAX_TOKENS" "${GEN_SPIN[@]}" "$@" 2>>"$TMP/generator.err" | grep '^RESULT' || true)
+        --max-tokens "$MAX_TOKENS" "${GEN_SPIN[@]}" "${GEN_EXTRA[@]}" "$@" 2>>"$TMP/generator.err" |
+        grep '^RESULT' || true)
     p1=$(cpu_ticks "${proxy_pids[@]}")
     b1=$(cpu_ticks "${backend_pids[@]}")
     all1=$(busy_ticks)

@@ -678,6 +678,14 @@ async fn text_prompts_tokenized_by_the_gateway_predict_cached_tokens_to_the_toke
             "round {round}: the engine reported {reported}: {decision}"
         );
     }
+    // A long prompt nobody holds: tokenized for its first blocks only, still predicted right.
+    let r = post(
+        &c,
+        &gw.url("/v1/completions"),
+        &json!({"model": MODEL, "prompt": words(900, 2_000), "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
     // Text outside the tokenizer's vocabulary goes to the approximate index, counted.
     let r = post(
         &c,
@@ -695,11 +703,13 @@ async fn text_prompts_tokenized_by_the_gateway_predict_cached_tokens_to_the_toke
             &[&format!("result=\"{result}\"")],
         )
     };
+    // Whole, or as far as the holder's blocks reach (the rest is new text nobody holds).
     assert_eq!(
-        tokenized("ids"),
-        7.0,
+        tokenized("ids") + tokenized("prefix"),
+        8.0,
         "every text prompt through the gateway"
     );
+    assert!(tokenized("prefix") >= 1.0, "the long new prompt");
     assert_eq!(tokenized("unknown"), 1.0);
     for backend in ["a", "b"] {
         let predicted = series(&m, "switchyard_predicted_cached_tokens_total", backend);

@@ -109,6 +109,44 @@ impl ExactIndex {
         self.block_size.contains_key(&slot) && !self.untrusted.contains(&slot)
     }
 
+    /// How many leading tokens of a prompt a lookup on `slots` could still use, given its
+    /// first `tokens` (under `adapter`): past the blocks a trusted instance holds, one more
+    /// block each. A prompt tokenized this far needs no more of its ids to be matched exactly
+    /// (0 when none of `slots` is matched exactly).
+    pub fn horizon(
+        &mut self,
+        slots: impl Iterator<Item = Slot>,
+        tokens: &[u32],
+        adapter: Option<&str>,
+    ) -> usize {
+        let mut horizon = 0usize;
+        // Hashed once per block size (a fleet usually has one).
+        let mut hashed_size = 0u32;
+        for slot in slots {
+            if self.untrusted.contains(&slot) {
+                continue;
+            }
+            let Some(&size) = self.block_size.get(&slot) else {
+                continue;
+            };
+            if size != hashed_size {
+                hashed_size = size;
+                self.scratch.clear();
+                token_block_hashes(tokens, seed(adapter), size as usize, &mut self.scratch);
+                let chain = std::mem::take(&mut self.scratch);
+                self.index.lookup_consecutive(&chain, &mut self.matches);
+                self.scratch = chain;
+            }
+            let held = self
+                .matches
+                .iter()
+                .find(|m| m.slot == slot)
+                .map_or(0, |m| m.blocks);
+            horizon = horizon.max((held as usize + 1) * size as usize);
+        }
+        horizon
+    }
+
     /// Cached prompt tokens on `slot` for a request with these token ids on `adapter` (blocks
     /// an adapter computed are its own), if the instance publishes trusted events (None
     /// otherwise: fall back to the approximate index).
@@ -183,6 +221,31 @@ mod tests {
         );
         exact.apply(0, &[KvEvent::AllCleared]);
         assert_eq!(exact.cached_tokens(0, &[1, 2], None), Some(0));
+    }
+
+    #[test]
+    fn the_horizon_is_one_block_past_the_deepest_trusted_holder() {
+        let mut exact = ExactIndex::default();
+        assert_eq!(exact.horizon([0, 1].into_iter(), &[1, 2, 3], None), 0);
+        exact.apply(
+            0,
+            &[
+                stored(&[100, 101], None, &[1, 2, 3, 4]),
+                stored(&[102], Some(101), &[5, 6]),
+            ],
+        );
+        exact.apply(1, &[stored(&[200], None, &[1, 2])]);
+        let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+        // Slot 0 holds three blocks of 2: a fourth could still match.
+        assert_eq!(exact.horizon([0, 1].into_iter(), &prompt, None), 8);
+        assert_eq!(exact.horizon([1].into_iter(), &prompt, None), 4);
+        assert_eq!(exact.horizon([0].into_iter(), &[9, 9], None), 2);
+        // Another adapter's blocks are not these.
+        assert_eq!(exact.horizon([0].into_iter(), &prompt, Some("a")), 2);
+        exact.lose(0);
+        assert_eq!(exact.horizon([0, 1].into_iter(), &prompt, None), 4);
+        exact.lose(1);
+        assert_eq!(exact.horizon([0, 1].into_iter(), &prompt, None), 0);
     }
 
     #[test]

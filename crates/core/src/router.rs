@@ -44,8 +44,13 @@ pub struct PreparedPrompt {
     block_bytes: usize,
     /// Chained block hashes, shared with the decision and its plans.
     hashes: Arc<[u64]>,
-    /// The prompt's token ids, when the driver tokenized it (used when the request has none).
+    /// The prompt's token ids, when the driver tokenized it (used when the request has none):
+    /// all of them, or the first ones when `token_count` says how many there are in all.
     token_ids: Option<Arc<[u32]>>,
+    /// Bytes of the prompt's text past its first token ids, when `token_ids` holds only those
+    /// (the driver stopped where [`Router::exact_horizon`] said the rest cannot match): their
+    /// tokens are estimated at the router's learned bytes per token.
+    untokenized_bytes: Option<usize>,
 }
 
 impl PreparedPrompt {
@@ -56,9 +61,24 @@ impl PreparedPrompt {
         self
     }
 
-    /// The token ids added with [`PreparedPrompt::with_token_ids`].
+    /// Adds the prompt's first token ids and how many bytes of its text follow them: what a
+    /// driver has when it tokenized only as far as [`Router::exact_horizon`] asked. The exact
+    /// match is the same as with every id; the rest of the prompt's length is estimated.
+    pub fn with_token_prefix(mut self, ids: Vec<u32>, untokenized_bytes: usize) -> Self {
+        self.token_ids = (!ids.is_empty()).then(|| ids.into());
+        self.untokenized_bytes = Some(untokenized_bytes);
+        self
+    }
+
+    /// The token ids added with [`PreparedPrompt::with_token_ids`] or
+    /// [`PreparedPrompt::with_token_prefix`].
     pub fn token_ids(&self) -> Option<&[u32]> {
         self.token_ids.as_deref()
+    }
+
+    /// Whether the token ids are only the prompt's first ones.
+    pub fn token_ids_are_a_prefix(&self) -> bool {
+        self.untokenized_bytes.is_some()
     }
 
     fn fits(&self, request: &RouteRequest<'_>, block_bytes: usize) -> bool {
@@ -85,6 +105,7 @@ pub fn prepare(request: &RouteRequest<'_>, block_bytes: usize) -> PreparedPrompt
         block_bytes,
         hashes: hashes.into(),
         token_ids: None,
+        untokenized_bytes: None,
     }
 }
 
@@ -354,6 +375,44 @@ impl Router {
         self.fleet.get(id).is_some() && self.exact.is_exact(id.slot)
     }
 
+    /// How many leading token ids of a prompt for `model` (on `adapter`, with `cache_salt`)
+    /// the exact match could still use, given its first `tokens`: a driver that tokenizes
+    /// prompts (it has no ids from the client) stops once it has this many, so a new prompt
+    /// costs the tokenizing of the blocks that could be cached, not of the whole text. 0 when
+    /// nothing is matched exactly (no instance of the model publishes trusted KV events, the
+    /// policy reads no prefix index, or a cache salt keeps the request off the engines'
+    /// blocks).
+    pub fn exact_horizon(
+        &mut self,
+        model: &str,
+        adapter: Option<&str>,
+        cache_salt: Option<&str>,
+        tokens: &[u32],
+    ) -> usize {
+        if cache_salt.is_some() || !self.policy.traits().uses_prefix_index {
+            return 0;
+        }
+        let slots = self.fleet.serving(model);
+        self.exact.horizon(slots.iter().copied(), tokens, adapter)
+    }
+
+    /// Bytes of `prepared`'s prompt the approximate index says some instance holds (its
+    /// deepest match): a driver that tokenizes as far as [`Router::exact_horizon`] asks sizes
+    /// its first cut by it, so a conversation this router placed is tokenized in one pass
+    /// (the exact view is what the horizon reads; this is only where to look first).
+    pub fn approx_held_bytes(&mut self, prepared: &PreparedPrompt) -> usize {
+        let block_bytes = self.block_bytes();
+        if prepared.block_bytes != block_bytes || prepared.hashes.is_empty() {
+            return 0;
+        }
+        self.index.lookup(&prepared.hashes, &mut self.matches);
+        self.matches
+            .iter()
+            .map(|m| tapered_end(m.blocks, block_bytes))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Name of the policy in force.
     pub fn policy_name(&self) -> &'static str {
         self.policy.traits().name
@@ -497,10 +556,17 @@ impl Router {
         };
         // Cheap: a sum of piece lengths.
         let prompt_bytes = request.prompt.rendered_len();
-        // Token ids, when the request carries them, count exactly; else the bytes estimate.
-        let prompt_tokens = match request.token_ids {
-            Some(ids) if !ids.is_empty() => u32::try_from(ids.len()).unwrap_or(u32::MAX),
-            _ => ((prompt_bytes as f64 / self.bytes_per_token).ceil() as u32).max(1),
+        // Token ids, when the request carries them, count exactly; the driver's estimate when
+        // it tokenized only the first ones; else the bytes estimate.
+        let by_bytes = |bytes: usize| (bytes as f64 / self.bytes_per_token).ceil() as u32;
+        let prompt_tokens = match (request.token_ids, prepared.untokenized_bytes) {
+            (Some(ids), None) if !ids.is_empty() => u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            (Some(ids), Some(rest)) if prepared.token_ids() == Some(ids) => {
+                u32::try_from(ids.len())
+                    .unwrap_or(u32::MAX)
+                    .saturating_add(by_bytes(rest))
+            }
+            _ => by_bytes(prompt_bytes).max(1),
         };
         let generates = request.kind == RequestKind::Generate;
         let hashes: &[u64] = if uses_index { &prepared.hashes } else { &[] };

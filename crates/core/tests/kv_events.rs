@@ -210,3 +210,48 @@ fn a_view_the_engine_contradicts_gives_way_to_the_approximate_index() {
         "still priced on the contradicted view: {predicted}"
     );
 }
+
+#[test]
+fn a_prompt_tokenized_to_the_horizon_matches_as_if_whole() {
+    let (mut router, a, b) = fleet();
+    let held: Vec<u32> = (0..64).collect();
+    router
+        .observe(Observation::KvEvents(b, vec![stored(1000, &held)]), 1.0)
+        .unwrap();
+    // The whole prompt: the held 64 tokens, then 1,000 new ones.
+    let whole: Vec<u32> = (0..1064).collect();
+    // Tokenized block by block, a driver stops one block past the holder's run.
+    let mut needed = 0;
+    for n in (BLOCK as usize..=whole.len()).step_by(BLOCK as usize) {
+        let horizon = router.exact_horizon("m", None, None, &whole[..n]);
+        if n >= horizon {
+            needed = n;
+            break;
+        }
+    }
+    assert_eq!(needed, 80, "the held run and one block past it");
+    assert_eq!(router.exact_horizon("m", None, Some("salt"), &whole), 0);
+    assert_eq!(router.exact_horizon("other", None, None, &whole), 0);
+
+    let text = "t ".repeat(1064);
+    let request = RouteRequest::text("m", &text);
+    let block_bytes = router.block_bytes();
+    // The rest's bytes at the router's bytes per token (4 before it learns any).
+    let rest_bytes = (whole.len() - needed) * 4;
+    let prefix = switchyard_core::prepare(&request, block_bytes)
+        .with_token_prefix(whole[..needed].to_vec(), rest_bytes);
+    assert!(prefix.token_ids_are_a_prefix());
+    let full = switchyard_core::prepare(&request, block_bytes).with_token_ids(whole.clone());
+    let by_prefix = router.route_prepared(&request, &prefix, 1.0).unwrap();
+    let by_whole = router.route_prepared(&request, &full, 1.0).unwrap();
+    for on in [a, b] {
+        let p = by_prefix.candidate(on).unwrap().terms;
+        let w = by_whole.candidate(on).unwrap().terms;
+        assert_eq!(p.cached_tokens, w.cached_tokens);
+        assert_eq!(
+            p.uncached_tokens, w.uncached_tokens,
+            "the count stands in for the ids"
+        );
+    }
+    assert_eq!(by_prefix.candidate(b).unwrap().terms.cached_tokens, 64);
+}

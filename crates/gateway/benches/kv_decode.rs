@@ -2,7 +2,9 @@
 //! (`kv_events::wire`), per layout (one engine step's `BlockStored` of 16 blocks of 16 tokens
 //! plus a `BlockRemoved` of 16 blocks), and tokenizing prompts of 1k, 2k and 32k tokens with
 //! the emulator's tokenizer.json (`tokenize`): the tokenizers crate alone, a prompt seen for
-//! the first time and again, and chat conversations, whole and turn after turn.
+//! the first time and again, and chat conversations, whole and turn after turn; and tokenized
+//! only as far as exact matching needs (`ids_as_needed`: nothing or half of a new prompt held,
+//! a conversation's next turn whose history is held).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use switchyard_emulator::kv_events::{encode_batch, Format, WireEvent};
@@ -81,6 +83,7 @@ fn chatml() -> (String, String) {
 }
 
 fn tokenize(c: &mut Criterion) {
+    use switchyard_gateway::tokenize::{Input, Needed};
     let emulator = switchyard_emulator::tokenizer_json::tokenizer_json();
     let emulator_config = switchyard_emulator::tokenizer_json::tokenizer_config_json();
     let hf: tokenizers::Tokenizer = emulator.parse().unwrap();
@@ -116,6 +119,28 @@ fn tokenize(c: &mut Criterion) {
                     .map(|ids| ids.len())
             })
         });
+        // Tokenized as far as exact matching needs (`ids_as_needed`), with a horizon as the
+        // router gives it for 16-token blocks: nothing held, or the prompt's first half.
+        let held_upto = |held: usize| move |ids: &[u32]| (ids.len().min(held) / 16 + 1) * 16;
+        // The router's approximate index says where the held part ends (4 bytes a token
+        // here), or nothing (another replica placed the conversation).
+        for (label, held, hint) in [
+            ("nothing_held", 0, 0),
+            ("half_held", n / 2, 2 * n),
+            ("half_held_no_hint", n / 2, 0),
+        ] {
+            c.bench_function(
+                &format!("tokenize_{n}_tokens_first_seen_as_needed_{label}"),
+                |b| {
+                    b.iter(|| {
+                        let input = Input::Text(std::hint::black_box(prompt.as_str()));
+                        uncached
+                            .ids_as_needed("m", &input, &mut held_upto(held), hint, usize::MAX)
+                            .map(|needed| matches!(needed, Needed::Whole(_)))
+                    })
+                },
+            );
+        }
         c.bench_function(&format!("tokenize_{n}_tokens_seen_before"), |b| {
             b.iter(|| {
                 cached
@@ -168,6 +193,35 @@ fn tokenize(c: &mut Criterion) {
                 criterion::BatchSize::SmallInput,
             )
         });
+        // The same next turn as far as exact matching needs: an instance holds every message
+        // but the new one.
+        let history = chatml_cached
+            .chat_token_ids("m", &messages[..3])
+            .map_or(0, |ids| ids.len());
+        c.bench_function(
+            &format!("tokenize_chatml_{n}_tokens_next_turn_as_needed"),
+            |b| {
+                b.iter_batched(
+                    || {
+                        turn_number += 1;
+                        let mut last: String = (0..4)
+                            .map(|digit| words[turn_number / words.len().pow(digit) % words.len()])
+                            .collect();
+                        last.push_str(&turn);
+                        last
+                    },
+                    |last| {
+                        let conversation: Vec<(&str, &str)> =
+                            vec![messages[0], messages[1], messages[2], ("user", &last)];
+                        let input = Input::Chat(std::hint::black_box(conversation));
+                        chatml_cached
+                            .ids_as_needed("m", &input, &mut held_upto(history), 0, usize::MAX)
+                            .map(|needed| matches!(needed, Needed::Whole(_)))
+                    },
+                    criterion::BatchSize::SmallInput,
+                )
+            },
+        );
     }
 }
 

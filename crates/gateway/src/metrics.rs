@@ -435,7 +435,7 @@ impl Metrics {
         let tokenized = Family::<ResultLabel, Counter>::default();
         registry.register(
             "switchyard_tokenized_prompts",
-            "Prompts of models with a --tokenizer, by result: ids (matched exactly), unknown (text outside the vocabulary), no_template (chat without a chat template), template_failed",
+            "Prompts of models with a --tokenizer, by result: ids (tokenized whole), prefix (tokenized as far as an instance could hold it), not_needed (no instance of the model matched exactly), unknown (text outside the vocabulary), no_template (chat without a chat template), template_failed",
             tokenized.clone(),
         );
         let peer_dns_peers = Gauge::default();

@@ -370,8 +370,59 @@ impl Gateway {
         let Some(input) = self.tokenizer_input(parsed, kind) else {
             return prompt;
         };
-        let ids = self.tokenizers.ids(&target.model, &input);
-        self.with_ids(prompt, ids)
+        let held_bytes = self.registry.lock().router.approx_held_bytes(&prompt);
+        let mut horizon = self.exact_horizon(target, parsed);
+        let needed = self.tokenizers.ids_as_needed(
+            &target.model,
+            &input,
+            &mut horizon,
+            held_bytes,
+            usize::MAX,
+        );
+        self.with_needed(prompt, needed)
+    }
+
+    /// How many leading ids of a prompt the router's exact match could still use
+    /// ([`switchyard_core::Router::exact_horizon`]); each call a short hold of the lock.
+    fn exact_horizon<'g>(
+        &'g self,
+        target: &'g Target,
+        parsed: &'g ParsedRequest<'_>,
+    ) -> impl FnMut(&[u32]) -> usize + 'g {
+        move |ids: &[u32]| {
+            self.registry.lock().router.exact_horizon(
+                &target.model,
+                target.adapter.as_deref(),
+                parsed.cache_salt.as_deref(),
+                ids,
+            )
+        }
+    }
+
+    /// `prompt` with the ids the tokenizer gave as far as they were needed, counted by
+    /// outcome. The part of a chat prompt left untokenized is not tokenized later either: if
+    /// the conversation goes on, an instance then holds it and its next turn tokenizes it
+    /// (once: the pieces' ids are cached), as that turn's new text would have been.
+    fn with_needed(
+        &self,
+        prompt: PreparedPrompt,
+        needed: Result<crate::tokenize::Needed, crate::tokenize::Miss>,
+    ) -> PreparedPrompt {
+        use crate::tokenize::Needed;
+        match needed {
+            Ok(Needed::Whole(ids)) => self.with_ids(prompt, Ok(ids)),
+            Ok(Needed::Prefix(ids, _)) if ids.is_empty() => {
+                self.metrics.tokenized("not_needed");
+                prompt
+            }
+            Ok(Needed::Prefix(ids, rest)) => {
+                self.metrics.tokenized("prefix");
+                prompt.with_token_prefix(ids, rest)
+            }
+            // Only the callers with a budget get this, and they tokenize whole instead.
+            Ok(Needed::OverBudget) => prompt,
+            Err(miss) => self.with_ids(prompt, Err(miss)),
+        }
     }
 
     /// `prompt` with the tokenizer's ids, counted by outcome (a model without a tokenizer is
@@ -408,13 +459,26 @@ impl Gateway {
         let Some(input) = self.tokenizer_input(parsed, kind) else {
             return prompt;
         };
-        let ids = if input.bytes() < TOKENIZE_ON_POOL_BYTES {
-            self.tokenizers.ids(&target.model, &input)
-        } else {
-            self.tokenize_on_pool(&target.model, input.to_owned_input())
-                .await
+        // On this worker as far as the match needs, up to the budget of new text; a prompt
+        // that needs more goes whole to the pool.
+        let needed = {
+            let held_bytes = self.registry.lock().router.approx_held_bytes(&prompt);
+            let mut horizon = self.exact_horizon(target, parsed);
+            self.tokenizers.ids_as_needed(
+                &target.model,
+                &input,
+                &mut horizon,
+                held_bytes,
+                TOKENIZE_ON_POOL_BYTES,
+            )
         };
-        self.with_ids(prompt, ids)
+        if let Ok(crate::tokenize::Needed::OverBudget) = needed {
+            let ids = self
+                .tokenize_on_pool(&target.model, input.to_owned_input())
+                .await;
+            return self.with_ids(prompt, ids);
+        }
+        self.with_needed(prompt, needed)
     }
 
     /// What the tokenizer would take of a request; none without tokenizers or a prompt to

@@ -17,6 +17,8 @@ use thiserror::Error;
 
 mod pieces;
 
+pub use pieces::Needed;
+
 /// Unknown-token names: a prompt that tokenizes to one of these would not give the engine's
 /// ids, so it is left to the approximate index.
 const UNKNOWN: [&str; 2] = ["[UNK]", "<unk>"];
@@ -285,6 +287,42 @@ impl Tokenizers {
         }
     }
 
+    /// As [`Tokenizers::ids`], but only as far as exact matching needs: `horizon` says, for
+    /// the ids so far, how many a lookup could still use (the router's
+    /// `exact_horizon`), and tokenizing stops there. A new prompt then costs its first block
+    /// or so, and a conversation's next turn the part of it an instance may hold, instead of
+    /// the whole text; at most `budget` bytes of text not seen before are tokenized here
+    /// ([`Needed::OverBudget`] beyond). `held_bytes` is where the router expects the held part
+    /// of the text to end (its approximate index): the first cut of new text reaches it, so a
+    /// held history is tokenized in one pass. Tokenizers without the piece cache are
+    /// tokenized whole, within the same budget.
+    pub fn ids_as_needed<S: AsRef<str>>(
+        &self,
+        model: &str,
+        input: &Input<S>,
+        horizon: &mut dyn FnMut(&[u32]) -> usize,
+        held_bytes: usize,
+        budget: usize,
+    ) -> Result<Needed, Miss> {
+        let loaded = self.by_model.get(model).ok_or(Miss::NoTokenizer)?;
+        let rendered;
+        let (text, special) = match input {
+            Input::Chat(messages) => {
+                let messages: Vec<(&str, &str)> = messages
+                    .iter()
+                    .map(|(r, c)| (r.as_ref(), c.as_ref()))
+                    .collect();
+                let chat = loaded.chat.as_ref().ok_or(Miss::NoTemplate)?;
+                rendered = chat.render(&messages).ok_or(Miss::TemplateFailed)?;
+                (rendered.as_str(), false)
+            }
+            Input::Text(t) => (t.as_ref(), true),
+        };
+        loaded
+            .encode_as_needed(text, special, horizon, held_bytes, budget)
+            .ok_or(Miss::Unknown)
+    }
+
     /// Whether `model` has a chat template (for the startup log).
     pub fn has_chat_template(&self, model: &str) -> bool {
         self.by_model.get(model).is_some_and(|l| l.chat.is_some())
@@ -301,6 +339,39 @@ impl Loaded {
             return None;
         }
         Some(ids)
+    }
+}
+
+impl Loaded {
+    fn encode_as_needed(
+        &self,
+        text: &str,
+        special: bool,
+        horizon: &mut dyn FnMut(&[u32]) -> usize,
+        held_bytes: usize,
+        budget: usize,
+    ) -> Option<Needed> {
+        let needed = match &self.pieces {
+            Some(pieces) => pieces.encode_as_needed(
+                &self.tokenizer,
+                text,
+                special,
+                horizon,
+                held_bytes,
+                budget,
+            )?,
+            None if text.len() > budget => Needed::OverBudget,
+            None => Needed::Whole(pieces::whole(&self.tokenizer, text, special)?),
+        };
+        let ids = match &needed {
+            Needed::Whole(ids) if ids.is_empty() => return None,
+            Needed::Whole(ids) | Needed::Prefix(ids, _) => ids,
+            Needed::OverBudget => return Some(needed),
+        };
+        if ids.iter().any(|id| self.unknown.contains(id)) {
+            return None;
+        }
+        Some(needed)
     }
 }
 

@@ -22,8 +22,9 @@
 //!
 //! The request's user message is `words` four-byte words (three letters and a space: 2048
 //! words are 8 KiB, 2,048 tokens for the emulator's 4-bytes-per-token tokenizer),
-//! non-streaming unless `stream`. `unique` puts a per-request number first, so no two prompts
-//! share a prefix.
+//! non-streaming unless `stream`. `unique` puts a per-request number first (spelled in the
+//! same words, lowest digit first), so no two prompts share a prefix and every prompt stays
+//! within the emulator's vocabulary (a tokenizer for it gives no unknown token).
 
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
@@ -142,7 +143,7 @@ impl FixedOptions {
 
     /// The request body; with `unique`, the prompt starts with that number.
     fn body(&self, text: &str, unique: Option<u64>) -> Result<Bytes> {
-        let prefix = unique.map(|n| format!("{n:08} ")).unwrap_or_default();
+        let prefix = unique.map(spelled).unwrap_or_default();
         let stream = if self.stream { ",\"stream\":true" } else { "" };
         let model = serde_json::to_string(&self.model)?;
         Ok(Bytes::from(format!(
@@ -157,6 +158,14 @@ const WORDS: [&str; 16] = [
     "the ", "and ", "for ", "you ", "are ", "was ", "but ", "not ", "all ", "can ", "had ", "her ",
     "one ", "our ", "out ", "day ",
 ];
+
+/// `n` in base 16, eight digits, lowest first, one word a digit: prompts numbered apart differ
+/// from their first word.
+fn spelled(n: u64) -> String {
+    (0..8)
+        .map(|digit| WORDS[(n >> (4 * digit)) as usize % WORDS.len()])
+        .collect()
+}
 
 /// The user message: `words` four-byte words in a fixed order that does not repeat one block.
 pub fn prompt(words: usize) -> String {
@@ -635,7 +644,13 @@ mod tests {
         let text = prompt(o.words);
         assert_eq!(
             o.body(&text, Some(7)).unwrap(),
-            r#"{"model":"m","messages":[{"role":"user","content":"00000007 the not "}],"max_tokens":4}"#
+            r#"{"model":"m","messages":[{"role":"user","content":"not the the the the the the the the not "}],"max_tokens":4}"#
+        );
+        assert_eq!(spelled(0x12), "for and the the the the the the ");
+        assert_ne!(
+            spelled(1)[..4],
+            spelled(2)[..4],
+            "apart from the first word"
         );
         let o = FixedOptions { stream: true, ..o };
         assert!(o

@@ -194,6 +194,87 @@ impl PieceTokenizer {
         Some(ids)
     }
 
+    /// As [`PieceTokenizer::encode`], but only as far as exact matching needs: `horizon`
+    /// says, for the ids so far, how many a lookup could still use, and tokenizing stops once
+    /// the ids reach it (a new prompt then costs its first block or so instead of its whole
+    /// text). Pieces seen before cost nothing and are always taken; a new piece is tokenized
+    /// in growing cuts while the horizon lies inside it, the first reaching `held_bytes` of the
+    /// text (where the router expects the held part to end). More than `budget` bytes of new
+    /// text gives [`Needed::OverBudget`].
+    pub(super) fn encode_as_needed(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        text: &str,
+        special: bool,
+        horizon: &mut dyn FnMut(&[u32]) -> usize,
+        held_bytes: usize,
+        budget: usize,
+    ) -> Option<Needed> {
+        let (prefix, suffix) = match (special, &self.wrap) {
+            (false, _) => (&[][..], &[][..]),
+            (true, Some((prefix, suffix))) => (&prefix[..], &suffix[..]),
+            (true, None) if text.len() <= budget => {
+                return whole(tokenizer, text, true).map(Needed::Whole)
+            }
+            (true, None) => return Some(Needed::OverBudget),
+        };
+        let mut ids = prefix.to_vec();
+        let mut need = horizon(&ids);
+        if need == 0 {
+            return Some(Needed::Prefix(Vec::new(), text.len()));
+        }
+        let mut fresh_bytes = 0;
+        let mut start = 0;
+        let cuts = self
+            .added
+            .iter()
+            .flat_map(|added| added.find_iter(text))
+            .map(|found| {
+                (
+                    found.start(),
+                    Some((found.end(), found.pattern().as_usize())),
+                )
+            })
+            .chain(std::iter::once((text.len(), None)));
+        for (end, added) in cuts {
+            let piece = &text[start..end];
+            if !piece.is_empty() {
+                let hash = xxhash_rust::xxh3::xxh3_64(piece.as_bytes());
+                let cached = self.lock().get(hash, piece);
+                if let Some(found) = cached {
+                    ids.extend_from_slice(&found);
+                } else {
+                    if ids.len() >= need {
+                        need = horizon(&ids);
+                        if ids.len() >= need {
+                            return Some(Needed::Prefix(ids, text.len() - start));
+                        }
+                    }
+                    let mut fresh = Fresh {
+                        ids: &mut ids,
+                        need: &mut need,
+                        fresh_bytes: &mut fresh_bytes,
+                        held_bytes: held_bytes.saturating_sub(start),
+                        budget,
+                    };
+                    match fresh.encode(self, tokenizer, piece, hash, horizon)? {
+                        Taken::Whole => {}
+                        Taken::Cut(covered) => {
+                            return Some(Needed::Prefix(ids, text.len() - (start + covered)))
+                        }
+                        Taken::OverBudget => return Some(Needed::OverBudget),
+                    }
+                }
+            }
+            if let Some((added_end, pattern)) = added {
+                ids.push(self.added_ids[pattern]);
+                start = added_end;
+            }
+        }
+        ids.extend_from_slice(suffix);
+        Some(Needed::Whole(ids))
+    }
+
     /// Appends the ids of `piece`, a text without added tokens, to `ids`.
     fn encode_piece(
         &self,
@@ -206,21 +287,31 @@ impl PieceTokenizer {
         }
         let hash = xxhash_rust::xxh3::xxh3_64(piece.as_bytes());
         let cached = self.lock().get(hash, piece);
-        let piece_ids = match cached {
-            Some(found) => found,
-            None => {
-                let fresh: Arc<[u32]> = whole(tokenizer, piece, false)?.into();
-                self.lock().insert(
-                    hash,
-                    Piece {
-                        text: piece.into(),
-                        ids: fresh.clone(),
-                    },
-                );
-                fresh
-            }
-        };
-        ids.extend_from_slice(&piece_ids);
+        match cached {
+            Some(found) => ids.extend_from_slice(&found),
+            None => self.encode_piece_fresh(tokenizer, piece, hash, ids)?,
+        }
+        Some(())
+    }
+
+    /// Tokenizes `piece` (not in the cache; `hash` its text's), caches its ids and appends
+    /// them to `ids`.
+    fn encode_piece_fresh(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        piece: &str,
+        hash: u64,
+        ids: &mut Vec<u32>,
+    ) -> Option<()> {
+        let fresh: Arc<[u32]> = whole(tokenizer, piece, false)?.into();
+        ids.extend_from_slice(&fresh);
+        self.lock().insert(
+            hash,
+            Piece {
+                text: piece.into(),
+                ids: fresh,
+            },
+        );
         Some(())
     }
 
@@ -243,6 +334,123 @@ impl PieceTokenizer {
                 .map(|p| entry_bytes(&p.text, &p.ids))
                 .sum::<usize>()
     }
+}
+
+/// A prompt's token ids, as far as exact matching needed them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Needed {
+    /// Every id of the prompt.
+    Whole(Vec<u32>),
+    /// The prompt's first ids, then this many bytes of its text left untokenized: no instance
+    /// can hold what follows them.
+    Prefix(Vec<u32>, usize),
+    /// The lookup needs more new text tokenized than the budget allows here.
+    OverBudget,
+}
+
+/// Bytes before a cut whose tokens are not trusted: the tokens of a text cut short can differ
+/// from the whole text's near the cut (a word split in two, whitespace a pre-tokenizer joins
+/// to the next word), never this far before it for the tokenizers in use (BPE and WordPiece
+/// work within pre-tokenized words, which are short; Unigram's lattice reconnects within a
+/// few pieces).
+const CUT_MARGIN: usize = 64;
+
+/// Smallest first cut of a new piece, in bytes.
+const FIRST_CUT_BYTES: usize = 192;
+
+/// Bytes a token is assumed to take when sizing a cut before any of the piece is tokenized.
+const CUT_BYTES_PER_TOKEN: usize = 6;
+
+/// What was taken of a new piece.
+enum Taken {
+    /// All of it (and it is cached).
+    Whole,
+    /// Its ids up to this byte, where the horizon was reached.
+    Cut(usize),
+    /// Its cuts would exceed the budget of new text.
+    OverBudget,
+}
+
+/// The state of a prompt tokenized as far as needed, while a new piece is cut.
+struct Fresh<'a> {
+    ids: &'a mut Vec<u32>,
+    need: &'a mut usize,
+    fresh_bytes: &'a mut usize,
+    /// Bytes of this piece the router expects an instance to hold.
+    held_bytes: usize,
+    budget: usize,
+}
+
+impl Fresh<'_> {
+    /// Tokenizes `piece` in cuts growing fourfold (so re-tokenizing the start of each costs at
+    /// most a third more than one pass) until the horizon is reached or the piece ends; the
+    /// first cut takes the part expected held and two blocks' worth past it.
+    fn encode(
+        &mut self,
+        pieces: &PieceTokenizer,
+        tokenizer: &tokenizers::Tokenizer,
+        piece: &str,
+        hash: u64,
+        horizon: &mut dyn FnMut(&[u32]) -> usize,
+    ) -> Option<Taken> {
+        let base = self.ids.len();
+        let mut cut: usize = 0;
+        let mut bytes_per_token = CUT_BYTES_PER_TOKEN;
+        loop {
+            let wanted = self.need.saturating_sub(self.ids.len()).max(1);
+            let first = if cut == 0 { self.held_bytes } else { 0 };
+            cut = cut.saturating_mul(4).max(FIRST_CUT_BYTES).max(
+                wanted
+                    .saturating_mul(2 * bytes_per_token)
+                    .saturating_add(first)
+                    .saturating_add(CUT_MARGIN),
+            );
+            if cut.saturating_add(CUT_MARGIN) >= piece.len() {
+                *self.fresh_bytes += piece.len();
+                if *self.fresh_bytes > self.budget {
+                    return Some(Taken::OverBudget);
+                }
+                self.ids.truncate(base);
+                pieces.encode_piece_fresh(tokenizer, piece, hash, self.ids)?;
+                return Some(Taken::Whole);
+            }
+            let at = floor_char_boundary(piece, cut);
+            *self.fresh_bytes += at;
+            if *self.fresh_bytes > self.budget {
+                return Some(Taken::OverBudget);
+            }
+            let encoding = tokenizer.encode(&piece[..at], false).ok()?;
+            let trusted_end = at - CUT_MARGIN;
+            let kept = encoding
+                .get_offsets()
+                .iter()
+                .take_while(|(_, end)| *end <= trusted_end)
+                .count();
+            let covered = kept
+                .checked_sub(1)
+                .map_or(0, |last| encoding.get_offsets()[last].1);
+            self.ids.truncate(base);
+            self.ids.extend_from_slice(&encoding.get_ids()[..kept]);
+            if kept > 0 {
+                bytes_per_token = covered.div_ceil(kept).max(1);
+            }
+            if self.ids.len() >= *self.need {
+                *self.need = horizon(self.ids);
+                if self.ids.len() >= *self.need {
+                    return Some(Taken::Cut(covered));
+                }
+            }
+        }
+    }
+}
+
+/// The largest char boundary of `text` at or before `at`.
+fn floor_char_boundary(text: &str, at: usize) -> usize {
+    let mut at = at.min(text.len());
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    at
 }
 
 /// Whether the pre-tokenizer treats the text's first piece apart from the others: Metaspace's
@@ -365,6 +573,142 @@ mod tests {
                 prop_assert!(pieces.cached_bytes() <= 4096);
             }
         }
+    }
+
+    /// A byte-level BPE tokenizer (GPT-2's pre-tokenizer regex) with a few merges, and the
+    /// test tokenizer's added tokens: cuts inside words and whitespace runs matter to it.
+    fn byte_level_bpe() -> tokenizers::Tokenizer {
+        let mut alphabet: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
+            .into_iter()
+            .collect();
+        alphabet.sort_unstable();
+        let merges = [
+            ("Ġ", "t"),
+            ("h", "e"),
+            ("Ġt", "he"),
+            ("Ġ", "a"),
+            ("o", "r"),
+            ("Ġa", "n"),
+            ("Ġ", "Ġ"),
+            ("ĠĠ", "ĠĠ"),
+            ("e", "r"),
+            ("Ġ", "w"),
+            ("Ġw", "or"),
+            ("Ċ", "Ċ"),
+        ];
+        let mut vocab = serde_json::Map::new();
+        for c in &alphabet {
+            let id = vocab.len();
+            vocab.insert(c.to_string(), serde_json::json!(id + 10));
+        }
+        for (a, b) in merges {
+            let id = vocab.len();
+            vocab.insert(format!("{a}{b}"), serde_json::json!(id + 10));
+        }
+        let merges: Vec<String> = merges.iter().map(|(a, b)| format!("{a} {b}")).collect();
+        serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": ADDED.iter().map(|(content, id)| serde_json::json!({"id": id,
+                "content": content, "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": false, "special": true})).collect::<Vec<_>>(),
+            "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false,
+                "trim_offsets": true, "use_regex": true},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "vocab": vocab, "merges": merges}
+        })
+        .to_string()
+        .parse()
+        .unwrap()
+    }
+
+    /// A horizon as the router gives it: the whole prompt's first `held` ids are held in
+    /// blocks of `block`, and a lookup can use one block past the run the ids match.
+    fn horizon_of(whole: &[u32], held: usize, block: usize) -> impl FnMut(&[u32]) -> usize + '_ {
+        move |ids: &[u32]| {
+            let run = ids
+                .chunks_exact(block)
+                .zip(whole.chunks_exact(block))
+                .take(held / block)
+                .take_while(|(a, b)| a == b)
+                .count();
+            (run + 1) * block
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn tokenizing_as_needed_gives_the_whole_prompts_first_ids(
+            items in proptest::collection::vec(0usize..600, 0..400),
+            held_share in 0.0f64..1.2,
+            block in 1usize..20,
+            bpe in any::<bool>(),
+            cached in any::<bool>(),
+            hint in 0usize..8000,
+        ) {
+            let t = if bpe { byte_level_bpe() } else { tokenizer(serde_json::json!({})) };
+            let pieces = PieceTokenizer::new(&t, CACHE_BYTES).unwrap();
+            // Long runs of words and spaces, so that cuts fall inside pieces.
+            let text: String = text(&items).repeat(3);
+            let special = false;
+            let whole_ids = whole(&t, &text, special).unwrap();
+            if cached {
+                // Every piece seen before: nothing is cut.
+                pieces.encode(&t, &text, special);
+            }
+            let held = (whole_ids.len() as f64 * held_share) as usize;
+            let mut horizon = horizon_of(&whole_ids, held, block);
+            let needed = pieces
+                .encode_as_needed(&t, &text, special, &mut horizon, hint, usize::MAX)
+                .unwrap();
+            drop(horizon);
+            let reach = ((held.min(whole_ids.len()) / block + 1) * block).min(whole_ids.len());
+            match needed {
+                Needed::Whole(ids) => prop_assert_eq!(ids, whole_ids),
+                Needed::Prefix(ids, rest) => {
+                    prop_assert!(ids.len() >= reach, "{} < {}", ids.len(), reach);
+                    prop_assert_eq!(&ids[..], &whole_ids[..ids.len()]);
+                    prop_assert!(rest <= text.len());
+                }
+                Needed::OverBudget => prop_assert!(false, "no budget was set"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_new_prompt_nobody_holds_is_tokenized_for_its_first_block_only() {
+        let t = tokenizer(serde_json::json!({}));
+        let pieces = PieceTokenizer::new(&t, CACHE_BYTES).unwrap();
+        let text: String = vocabulary().map(|(w, _)| w).collect::<String>().repeat(40);
+        let whole_ids = whole(&t, &text, false).unwrap();
+        let mut calls = 0;
+        let mut nothing_held = |_: &[u32]| {
+            calls += 1;
+            16
+        };
+        let needed = pieces
+            .encode_as_needed(&t, &text, false, &mut nothing_held, 0, usize::MAX)
+            .unwrap();
+        let Needed::Prefix(ids, rest) = needed else {
+            panic!("{needed:?}")
+        };
+        assert!((16..64).contains(&ids.len()), "{}", ids.len());
+        assert_eq!(ids[..], whole_ids[..ids.len()]);
+        assert_eq!(rest, text.len() - 4 * ids.len(), "4 bytes a token here");
+        assert_eq!(calls, 2, "once before, once after the first cut");
+        assert_eq!(pieces.cached_bytes(), 0, "a cut piece is not cached");
+        // Nothing matched exactly: nothing tokenized.
+        let needed = pieces
+            .encode_as_needed(&t, &text, false, &mut |_| 0, 0, usize::MAX)
+            .unwrap();
+        assert_eq!(needed, Needed::Prefix(Vec::new(), text.len()));
+        // A budget smaller than the new text the horizon asks for.
+        let needed = pieces
+            .encode_as_needed(&t, &text, false, &mut |_| usize::MAX, 0, 4096)
+            .unwrap();
+        assert_eq!(needed, Needed::OverBudget);
     }
 
     #[test]
