@@ -1,5 +1,6 @@
 //! Decision time of the `cost` policy for 16, 256 and 1024 instances with 2k- and 32k-token
-//! prompts, on a fleet whose index is warm, and the index's memory per entry.
+//! prompts, on a fleet whose index is warm; the same for 16 instances in exact mode (KV
+//! events, requests with token ids); and the index's memory per entry.
 //!
 //! `cargo bench -p switchyard-core --bench decision`
 
@@ -121,6 +122,65 @@ fn decision_time(c: &mut Criterion) {
     group.finish();
 }
 
+/// Decision time where every instance publishes KV events and requests carry token ids (exact
+/// mode): 16 instances, each holding one of 16 shared prefixes (3/4 of the prompt).
+fn decision_time_exact(c: &mut Criterion) {
+    use switchyard_core::KvEvent;
+    let mut group = c.benchmark_group("decision_exact");
+    group.sample_size(30);
+    const INSTANCES: u32 = 16;
+    const BLOCK: u32 = 16;
+    for &tokens in &[2_048u32, 32_768] {
+        let mut router = Router::new(RouterConfig::default()).expect("default config is valid");
+        let prefix = |g: u32| -> Vec<u32> { (0..tokens * 3 / 4).map(|t| g << 20 | t).collect() };
+        for i in 0..INSTANCES {
+            let spec = InstanceSpec {
+                kv_capacity_tokens: Some(400_000),
+                max_running: Some(256),
+                ..InstanceSpec::new(format!("10.0.0.{i}:8000"), "llama")
+            };
+            let id = router.add_instance(spec).expect("unique names");
+            let held = prefix(i);
+            let blocks = held.len() as u32 / BLOCK;
+            let stored = KvEvent::Stored {
+                block_hashes: (0..u64::from(blocks))
+                    .map(|b| u64::from(i) << 32 | b)
+                    .collect(),
+                parent_block_hash: None,
+                token_ids: held,
+                block_size: BLOCK,
+                lora_name: None,
+            };
+            router
+                .observe(Observation::KvEvents(id, vec![stored]), 0.0)
+                .expect("known instance");
+        }
+        let prompts: Vec<Vec<u32>> = (0..INSTANCES)
+            .map(|g| {
+                let mut ids = prefix(g);
+                ids.extend((0..tokens / 4).map(|t| 0xFFF0_0000 | t));
+                ids
+            })
+            .collect();
+        let mut n = 0usize;
+        group.bench_function(
+            BenchmarkId::new("cost", format!("16x{}k", tokens / 1024)),
+            |b| {
+                b.iter(|| {
+                    n += 1;
+                    let request = RouteRequest {
+                        token_ids: Some(&prompts[n % prompts.len()]),
+                        ..RouteRequest::text("llama", "a short text")
+                    };
+                    let decision = router.route(&request, 1.0).expect("served");
+                    std::hint::black_box(decision.best())
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
 /// Not a timing: prints the index's memory per entry for the warm fleets.
 fn index_memory(_c: &mut Criterion) {
     println!("\nindex memory (warm fleet, 4 requests per instance):");
@@ -143,5 +203,5 @@ fn index_memory(_c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, index_memory, decision_time);
+criterion_group!(benches, index_memory, decision_time, decision_time_exact);
 criterion_main!(benches);

@@ -22,6 +22,9 @@ pub struct ExactIndex {
     untrusted: FxHashSet<Slot>,
     scratch: Vec<u64>,
     matches: Vec<BlockMatch>,
+    /// Blocks each slot holds of the prompt last passed to [`ExactIndex::look_up`], with the
+    /// slot's block size (a route reads them per candidate without hashing again).
+    looked_up: FxHashMap<Slot, (u32, u32)>,
 }
 
 fn seed(lora_name: Option<&str>) -> u64 {
@@ -115,20 +118,36 @@ impl ExactIndex {
     /// (0 when none of `slots` is matched exactly).
     pub fn horizon(
         &mut self,
-        slots: impl Iterator<Item = Slot>,
+        slots: impl Iterator<Item = Slot> + Clone,
         tokens: &[u32],
         adapter: Option<&str>,
     ) -> usize {
-        let mut horizon = 0usize;
-        // Hashed once per block size (a fleet usually has one).
+        self.look_up(slots.clone(), tokens, adapter);
+        slots
+            .filter_map(|slot| self.looked_up.get(&slot))
+            .map(|&(blocks, size)| (blocks as usize + 1) * size as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Looks `tokens` (under `adapter`) up for every trusted publisher among `slots`, hashing
+    /// them once per block size; [`ExactIndex::looked_up_tokens`] then reads each slot's
+    /// result. The hashing and the walk are O(prompt) and run under the driver's lock, once
+    /// per route instead of once per candidate.
+    pub fn look_up(
+        &mut self,
+        slots: impl Iterator<Item = Slot>,
+        tokens: &[u32],
+        adapter: Option<&str>,
+    ) {
+        self.looked_up.clear();
+        let mut sizes: Vec<(u32, Slot)> = slots
+            .filter(|slot| !self.untrusted.contains(slot))
+            .filter_map(|slot| self.block_size.get(&slot).map(|&size| (size, slot)))
+            .collect();
+        sizes.sort_unstable();
         let mut hashed_size = 0u32;
-        for slot in slots {
-            if self.untrusted.contains(&slot) {
-                continue;
-            }
-            let Some(&size) = self.block_size.get(&slot) else {
-                continue;
-            };
+        for (size, slot) in sizes {
             if size != hashed_size {
                 hashed_size = size;
                 self.scratch.clear();
@@ -137,14 +156,21 @@ impl ExactIndex {
                 self.index.lookup_consecutive(&chain, &mut self.matches);
                 self.scratch = chain;
             }
-            let held = self
+            let blocks = self
                 .matches
                 .iter()
                 .find(|m| m.slot == slot)
                 .map_or(0, |m| m.blocks);
-            horizon = horizon.max((held as usize + 1) * size as usize);
+            self.looked_up.insert(slot, (blocks, size));
         }
-        horizon
+    }
+
+    /// Cached prompt tokens on `slot` by the last [`ExactIndex::look_up`], if the slot was
+    /// among its trusted publishers (None otherwise: fall back to the approximate index).
+    pub fn looked_up_tokens(&self, slot: Slot) -> Option<u32> {
+        self.looked_up
+            .get(&slot)
+            .map(|&(blocks, size)| blocks * size)
     }
 
     /// Cached prompt tokens on `slot` for a request with these token ids on `adapter` (blocks
@@ -156,21 +182,8 @@ impl ExactIndex {
         tokens: &[u32],
         adapter: Option<&str>,
     ) -> Option<u32> {
-        if self.untrusted.contains(&slot) {
-            return None;
-        }
-        let size = *self.block_size.get(&slot)?;
-        self.scratch.clear();
-        token_block_hashes(tokens, seed(adapter), size as usize, &mut self.scratch);
-        let chain = std::mem::take(&mut self.scratch);
-        self.index.lookup_consecutive(&chain, &mut self.matches);
-        self.scratch = chain;
-        let blocks = self
-            .matches
-            .iter()
-            .find(|m| m.slot == slot)
-            .map_or(0, |m| m.blocks);
-        Some(blocks * size)
+        self.look_up(std::iter::once(slot), tokens, adapter);
+        self.looked_up_tokens(slot)
     }
 }
 

@@ -690,6 +690,12 @@ impl Router {
                     tokens,
                     adapter: request.adapter,
                 });
+            if let Some(key) = exact {
+                // Once for every candidate list below: the O(prompt) hashing and walk.
+                let slots = self.fleet.serving(request.model);
+                self.exact
+                    .look_up(slots.iter().copied(), key.tokens, key.adapter);
+            }
             self.apply_matches(hashes, &mut candidates, prompt_tokens, exact, mark);
             self.apply_matches(hashes, &mut decode_candidates, prompt_tokens, exact, mark);
             self.apply_matches(hashes, &mut local, prompt_tokens, exact, mark);
@@ -957,8 +963,8 @@ impl Router {
             let approx = ((bytes / self.bytes_per_token) as u32).min(max_cached);
             let mut cached = approx;
             c.terms.views = None;
-            if let Some(key) = exact {
-                if let Some(exact) = self.exact.cached_tokens(slot, key.tokens, key.adapter) {
+            if exact.is_some() {
+                if let Some(exact) = self.exact.looked_up_tokens(slot) {
                     let exact = exact.min(max_cached);
                     c.terms.views = Some(ViewPredictions { exact, approx });
                     // The exact view is routed on unless its predictions have missed the
