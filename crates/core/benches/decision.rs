@@ -177,6 +177,32 @@ fn decision_time_exact(c: &mut Criterion) {
                 })
             },
         );
+        // The ids hashed by the driver outside the lock (`ExactChain`): what is left under it.
+        let block_bytes = router.block_bytes();
+        let prepared: Vec<_> = prompts
+            .iter()
+            .map(|ids| {
+                let request = RouteRequest::text("llama", "a short text");
+                let mut chain = switchyard_core::ExactChain::new(BLOCK, None);
+                chain.extend(ids);
+                switchyard_core::prepare(&request, block_bytes)
+                    .with_token_ids(ids.clone())
+                    .with_exact_chain(chain)
+            })
+            .collect();
+        group.bench_function(
+            BenchmarkId::new("cost_prehashed", format!("16x{}k", tokens / 1024)),
+            |b| {
+                b.iter(|| {
+                    n += 1;
+                    let request = RouteRequest::text("llama", "a short text");
+                    let decision = router
+                        .route_prepared(&request, &prepared[n % prepared.len()], 1.0)
+                        .expect("served");
+                    std::hint::black_box(decision.best())
+                })
+            },
+        );
     }
     group.finish();
 }

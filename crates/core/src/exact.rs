@@ -31,6 +31,67 @@ fn seed(lora_name: Option<&str>) -> u64 {
     chain_seed("", lora_name, None)
 }
 
+/// A prompt's token ids hashed in an exact index's blocks, by the driver outside the router's
+/// lock: a lookup given it only walks the index ([`ExactIndex::look_up`]).
+#[derive(Debug, Clone, Default)]
+pub struct ExactChain {
+    block_tokens: u32,
+    seed: u64,
+    /// The ids of the blocks hashed so far (to tell whether new ids extend them).
+    ids: Vec<u32>,
+    hashes: Vec<u64>,
+}
+
+impl ExactChain {
+    /// An empty chain for blocks of `block_tokens` under `adapter`.
+    pub fn new(block_tokens: u32, adapter: Option<&str>) -> ExactChain {
+        ExactChain {
+            block_tokens: block_tokens.max(1),
+            seed: seed(adapter),
+            ids: Vec::new(),
+            hashes: Vec::new(),
+        }
+    }
+
+    /// Hashes the full blocks of `ids` not hashed yet: those past the blocks `ids` shares with
+    /// the ids hashed before (a prompt tokenized further extends them; anything else is
+    /// hashed again from where they differ).
+    pub fn extend(&mut self, ids: &[u32]) {
+        let size = self.block_tokens as usize;
+        let same = self
+            .ids
+            .chunks_exact(size)
+            .zip(ids.chunks_exact(size))
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.ids.truncate(same * size);
+        self.hashes.truncate(same);
+        let full = ids.len() / size * size;
+        if full > self.ids.len() {
+            let parent = self.hashes.last().copied().unwrap_or(self.seed);
+            let new = &ids[self.ids.len()..full];
+            token_block_hashes(new, parent, size, &mut self.hashes);
+            self.ids.extend_from_slice(new);
+        }
+    }
+
+    /// Block size the chain was hashed in.
+    pub fn block_tokens(&self) -> u32 {
+        self.block_tokens
+    }
+
+    /// The chain of the full blocks of `ids`, if it is the one hashed here (the same adapter
+    /// and these ids), else none.
+    fn for_ids(&self, ids: &[u32], adapter: Option<&str>) -> Option<&[u64]> {
+        let blocks = ids.len() / self.block_tokens as usize;
+        (self.seed == seed(adapter)
+            && self.hashes.len() >= blocks
+            && self.ids[..blocks * self.block_tokens as usize]
+                == ids[..blocks * self.block_tokens as usize])
+            .then(|| &self.hashes[..blocks])
+    }
+}
+
 impl ExactIndex {
     /// Applies an instance's events in order.
     pub fn apply(&mut self, slot: Slot, events: &[KvEvent]) {
@@ -107,6 +168,15 @@ impl ExactIndex {
         self.untrusted.remove(&slot);
     }
 
+    /// The block size of the trusted publishers among `slots`, when they share one.
+    pub fn block_tokens(&self, slots: impl Iterator<Item = Slot>) -> Option<u32> {
+        let mut sizes = slots
+            .filter(|slot| !self.untrusted.contains(slot))
+            .filter_map(|slot| self.block_size.get(&slot).copied());
+        let first = sizes.next()?;
+        sizes.all(|size| size == first).then_some(first)
+    }
+
     /// Whether lookups on `slot` are exact (it publishes and its stream is trusted).
     pub fn is_exact(&self, slot: Slot) -> bool {
         self.block_size.contains_key(&slot) && !self.untrusted.contains(&slot)
@@ -121,8 +191,9 @@ impl ExactIndex {
         slots: impl Iterator<Item = Slot> + Clone,
         tokens: &[u32],
         adapter: Option<&str>,
+        hashed: Option<&ExactChain>,
     ) -> usize {
-        self.look_up(slots.clone(), tokens, adapter);
+        self.look_up(slots.clone(), tokens, adapter, hashed);
         slots
             .filter_map(|slot| self.looked_up.get(&slot))
             .map(|&(blocks, size)| (blocks as usize + 1) * size as usize)
@@ -131,14 +202,16 @@ impl ExactIndex {
     }
 
     /// Looks `tokens` (under `adapter`) up for every trusted publisher among `slots`, hashing
-    /// them once per block size; [`ExactIndex::looked_up_tokens`] then reads each slot's
-    /// result. The hashing and the walk are O(prompt) and run under the driver's lock, once
-    /// per route instead of once per candidate.
+    /// them once per block size (not at all in the size of `hashed`, when that chain is of
+    /// these tokens); [`ExactIndex::looked_up_tokens`] then reads each slot's result. The
+    /// walk is O(prompt) and runs under the driver's lock, once per route instead of once per
+    /// candidate.
     pub fn look_up(
         &mut self,
         slots: impl Iterator<Item = Slot>,
         tokens: &[u32],
         adapter: Option<&str>,
+        hashed: Option<&ExactChain>,
     ) {
         self.looked_up.clear();
         let mut sizes: Vec<(u32, Slot)> = slots
@@ -150,11 +223,18 @@ impl ExactIndex {
         for (size, slot) in sizes {
             if size != hashed_size {
                 hashed_size = size;
-                self.scratch.clear();
-                token_block_hashes(tokens, seed(adapter), size as usize, &mut self.scratch);
-                let chain = std::mem::take(&mut self.scratch);
-                self.index.lookup_consecutive(&chain, &mut self.matches);
-                self.scratch = chain;
+                let given = hashed
+                    .filter(|c| c.block_tokens == size)
+                    .and_then(|c| c.for_ids(tokens, adapter));
+                if let Some(chain) = given {
+                    self.index.lookup_consecutive(chain, &mut self.matches);
+                } else {
+                    self.scratch.clear();
+                    token_block_hashes(tokens, seed(adapter), size as usize, &mut self.scratch);
+                    let chain = std::mem::take(&mut self.scratch);
+                    self.index.lookup_consecutive(&chain, &mut self.matches);
+                    self.scratch = chain;
+                }
             }
             let blocks = self
                 .matches
@@ -182,7 +262,7 @@ impl ExactIndex {
         tokens: &[u32],
         adapter: Option<&str>,
     ) -> Option<u32> {
-        self.look_up(std::iter::once(slot), tokens, adapter);
+        self.look_up(std::iter::once(slot), tokens, adapter, None);
         self.looked_up_tokens(slot)
     }
 }
@@ -239,7 +319,7 @@ mod tests {
     #[test]
     fn the_horizon_is_one_block_past_the_deepest_trusted_holder() {
         let mut exact = ExactIndex::default();
-        assert_eq!(exact.horizon([0, 1].into_iter(), &[1, 2, 3], None), 0);
+        assert_eq!(exact.horizon([0, 1].into_iter(), &[1, 2, 3], None, None), 0);
         exact.apply(
             0,
             &[
@@ -250,15 +330,41 @@ mod tests {
         exact.apply(1, &[stored(&[200], None, &[1, 2])]);
         let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9];
         // Slot 0 holds three blocks of 2: a fourth could still match.
-        assert_eq!(exact.horizon([0, 1].into_iter(), &prompt, None), 8);
-        assert_eq!(exact.horizon([1].into_iter(), &prompt, None), 4);
-        assert_eq!(exact.horizon([0].into_iter(), &[9, 9], None), 2);
+        assert_eq!(exact.horizon([0, 1].into_iter(), &prompt, None, None), 8);
+        assert_eq!(exact.horizon([1].into_iter(), &prompt, None, None), 4);
+        assert_eq!(exact.horizon([0].into_iter(), &[9, 9], None, None), 2);
         // Another adapter's blocks are not these.
-        assert_eq!(exact.horizon([0].into_iter(), &prompt, Some("a")), 2);
+        assert_eq!(exact.horizon([0].into_iter(), &prompt, Some("a"), None), 2);
         exact.lose(0);
-        assert_eq!(exact.horizon([0, 1].into_iter(), &prompt, None), 4);
+        assert_eq!(exact.horizon([0, 1].into_iter(), &prompt, None, None), 4);
         exact.lose(1);
-        assert_eq!(exact.horizon([0, 1].into_iter(), &prompt, None), 0);
+        assert_eq!(exact.horizon([0, 1].into_iter(), &prompt, None, None), 0);
+    }
+
+    #[test]
+    fn a_chain_hashed_outside_gives_the_same_lookups() {
+        let mut exact = ExactIndex::default();
+        exact.apply(0, &[stored(&[100, 101, 102], None, &[1, 2, 3, 4, 5, 6])]);
+        let prompt = [1, 2, 3, 4, 5, 6, 7, 8];
+        let mut chain = ExactChain::new(2, None);
+        chain.extend(&prompt[..3]);
+        chain.extend(&prompt[..5]);
+        chain.extend(&[1, 2, 9, 9]);
+        chain.extend(&prompt);
+        assert_eq!(exact.block_tokens([0].into_iter()), Some(2));
+        assert_eq!(
+            exact.horizon([0].into_iter(), &prompt, None, Some(&chain)),
+            8
+        );
+        let mut whole = Vec::new();
+        token_block_hashes(&prompt, seed(None), 2, &mut whole);
+        assert_eq!(chain.hashes, whole, "extended, cut back and extended again");
+        // Another adapter's chain, or other ids, are not used.
+        let other = ExactChain::new(2, Some("a"));
+        assert_eq!(other.for_ids(&prompt, None), None);
+        assert_eq!(chain.for_ids(&[1, 2, 3, 9], None), None);
+        exact.look_up([0].into_iter(), &prompt, None, Some(&chain));
+        assert_eq!(exact.looked_up_tokens(0), Some(6));
     }
 
     #[test]

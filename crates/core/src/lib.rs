@@ -36,6 +36,7 @@ pub mod shared_compute;
 
 pub use config::{ConfigError, RouterConfig};
 pub use decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan, ViewPredictions};
+pub use exact::ExactChain;
 pub use fleet::{EngineMetrics, Health, Instance, InstanceId, InstanceSpec, Role};
 pub use observe::{KvEvent, Observation, ObserveError, Prediction, Usage};
 pub use request::{ChatMessage, Phase, Prompt, RequestId, RequestKind, RouteRequest};

@@ -10,7 +10,7 @@ use thiserror::Error;
 
 use crate::config::{ConfigError, RouterConfig};
 use crate::decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan, ViewPredictions};
-use crate::exact::ExactIndex;
+use crate::exact::{ExactChain, ExactIndex};
 use crate::fleet::{
     EngineMetrics, Fleet, Health, Instance, InstanceId, InstanceSpec, Learned, Role,
 };
@@ -51,6 +51,8 @@ pub struct PreparedPrompt {
     /// (the driver stopped where [`Router::exact_horizon`] said the rest cannot match): their
     /// tokens are estimated at the router's learned bytes per token.
     untokenized_bytes: Option<usize>,
+    /// The token ids hashed in the pool's exact block size by the driver, outside the lock.
+    exact_chain: Option<Arc<ExactChain>>,
 }
 
 impl PreparedPrompt {
@@ -74,6 +76,14 @@ impl PreparedPrompt {
     /// [`PreparedPrompt::with_token_prefix`].
     pub fn token_ids(&self) -> Option<&[u32]> {
         self.token_ids.as_deref()
+    }
+
+    /// Adds the token ids hashed in the exact index's blocks ([`Router::exact_block_tokens`]),
+    /// so that a route walks the index without hashing them under the lock. Ignored where it
+    /// is not the chain of the request's ids.
+    pub fn with_exact_chain(mut self, chain: ExactChain) -> Self {
+        self.exact_chain = Some(Arc::new(chain));
+        self
     }
 
     /// Whether the token ids are only the prompt's first ones.
@@ -106,6 +116,7 @@ pub fn prepare(request: &RouteRequest<'_>, block_bytes: usize) -> PreparedPrompt
         hashes: hashes.into(),
         token_ids: None,
         untokenized_bytes: None,
+        exact_chain: None,
     }
 }
 
@@ -388,12 +399,21 @@ impl Router {
         adapter: Option<&str>,
         cache_salt: Option<&str>,
         tokens: &[u32],
+        hashed: Option<&ExactChain>,
     ) -> usize {
         if cache_salt.is_some() || !self.policy.traits().uses_prefix_index {
             return 0;
         }
         let slots = self.fleet.serving(model);
-        self.exact.horizon(slots.iter().copied(), tokens, adapter)
+        self.exact
+            .horizon(slots.iter().copied(), tokens, adapter, hashed)
+    }
+
+    /// The block size of `model`'s instances that publish trusted KV events, when they share
+    /// one: a driver hashes a prompt's ids in it outside the lock ([`ExactChain`]).
+    pub fn exact_block_tokens(&self, model: &str) -> Option<u32> {
+        self.exact
+            .block_tokens(self.fleet.serving(model).iter().copied())
     }
 
     /// Bytes of `prepared`'s prompt the approximate index says some instance holds (its
@@ -693,8 +713,9 @@ impl Router {
             if let Some(key) = exact {
                 // Once for every candidate list below: the O(prompt) hashing and walk.
                 let slots = self.fleet.serving(request.model);
+                let hashed = prepared.exact_chain.as_deref();
                 self.exact
-                    .look_up(slots.iter().copied(), key.tokens, key.adapter);
+                    .look_up(slots.iter().copied(), key.tokens, key.adapter, hashed);
             }
             self.apply_matches(hashes, &mut candidates, prompt_tokens, exact, mark);
             self.apply_matches(hashes, &mut decode_candidates, prompt_tokens, exact, mark);

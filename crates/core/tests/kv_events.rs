@@ -223,15 +223,18 @@ fn a_prompt_tokenized_to_the_horizon_matches_as_if_whole() {
     // Tokenized block by block, a driver stops one block past the holder's run.
     let mut needed = 0;
     for n in (BLOCK as usize..=whole.len()).step_by(BLOCK as usize) {
-        let horizon = router.exact_horizon("m", None, None, &whole[..n]);
+        let horizon = router.exact_horizon("m", None, None, &whole[..n], None);
         if n >= horizon {
             needed = n;
             break;
         }
     }
     assert_eq!(needed, 80, "the held run and one block past it");
-    assert_eq!(router.exact_horizon("m", None, Some("salt"), &whole), 0);
-    assert_eq!(router.exact_horizon("other", None, None, &whole), 0);
+    assert_eq!(
+        router.exact_horizon("m", None, Some("salt"), &whole, None),
+        0
+    );
+    assert_eq!(router.exact_horizon("other", None, None, &whole, None), 0);
 
     let text = "t ".repeat(1064);
     let request = RouteRequest::text("m", &text);
@@ -254,4 +257,23 @@ fn a_prompt_tokenized_to_the_horizon_matches_as_if_whole() {
         );
     }
     assert_eq!(by_prefix.candidate(b).unwrap().terms.cached_tokens, 64);
+
+    // Hashed by the driver in the pool's block size: the same decision without hashing.
+    assert_eq!(router.exact_block_tokens("m"), Some(BLOCK));
+    let mut chain = switchyard_core::ExactChain::new(BLOCK, None);
+    chain.extend(&whole[..needed]);
+    assert_eq!(
+        router.exact_horizon("m", None, None, &whole[..needed], Some(&chain)),
+        80
+    );
+    let hashed = switchyard_core::prepare(&request, block_bytes)
+        .with_token_prefix(whole[..needed].to_vec(), rest_bytes)
+        .with_exact_chain(chain);
+    let by_hashed = router.route_prepared(&request, &hashed, 1.0).unwrap();
+    for on in [a, b] {
+        assert_eq!(
+            by_hashed.candidate(on).unwrap().terms.cached_tokens,
+            by_prefix.candidate(on).unwrap().terms.cached_tokens
+        );
+    }
 }

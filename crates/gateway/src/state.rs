@@ -9,8 +9,8 @@ use std::time::Instant;
 use http::HeaderValue;
 use parking_lot::Mutex;
 use switchyard_core::{
-    Decision, InstanceId, Observation, Prediction, PreparedPrompt, RequestId, RequestKind,
-    RouteRequest, Router,
+    Decision, ExactChain, InstanceId, Observation, Prediction, PreparedPrompt, RequestId,
+    RequestKind, RouteRequest, Router,
 };
 
 use crate::admission::Admission;
@@ -370,33 +370,50 @@ impl Gateway {
         let Some(input) = self.tokenizer_input(parsed, kind) else {
             return prompt;
         };
-        let held_bytes = self.registry.lock().router.approx_held_bytes(&prompt);
-        let mut horizon = self.exact_horizon(target, parsed);
-        let needed = self.tokenizers.ids_as_needed(
-            &target.model,
-            &input,
-            &mut horizon,
-            held_bytes,
-            usize::MAX,
-        );
-        self.with_needed(prompt, needed)
+        let (needed, chain) = self.tokenize_as_needed(target, parsed, &input, &prompt, usize::MAX);
+        self.with_needed(prompt, needed, chain)
     }
 
-    /// How many leading ids of a prompt the router's exact match could still use
-    /// ([`switchyard_core::Router::exact_horizon`]); each call a short hold of the lock.
-    fn exact_horizon<'g>(
-        &'g self,
-        target: &'g Target,
-        parsed: &'g ParsedRequest<'_>,
-    ) -> impl FnMut(&[u32]) -> usize + 'g {
-        move |ids: &[u32]| {
+    /// Tokenizes `input` as far as the router's exact match could use its ids
+    /// ([`switchyard_core::Router::exact_horizon`], each call a short hold of the lock), at most
+    /// `budget` bytes of new text, hashing the ids in the exact index's blocks on the way so
+    /// that neither the horizon nor the route hashes them under the lock.
+    fn tokenize_as_needed<S: AsRef<str>>(
+        &self,
+        target: &Target,
+        parsed: &ParsedRequest<'_>,
+        input: &crate::tokenize::Input<S>,
+        prompt: &PreparedPrompt,
+        budget: usize,
+    ) -> (
+        Result<crate::tokenize::Needed, crate::tokenize::Miss>,
+        Option<ExactChain>,
+    ) {
+        let (held_bytes, block_tokens) = {
+            let registry = &mut *self.registry.lock();
+            (
+                registry.router.approx_held_bytes(prompt),
+                registry.router.exact_block_tokens(&target.model),
+            )
+        };
+        let adapter = target.adapter.as_deref();
+        let mut chain = block_tokens.map(|size| ExactChain::new(size, adapter));
+        let mut horizon = |ids: &[u32]| {
+            if let Some(chain) = chain.as_mut() {
+                chain.extend(ids);
+            }
             self.registry.lock().router.exact_horizon(
                 &target.model,
-                target.adapter.as_deref(),
+                adapter,
                 parsed.cache_salt.as_deref(),
                 ids,
+                chain.as_ref(),
             )
-        }
+        };
+        let needed =
+            self.tokenizers
+                .ids_as_needed(&target.model, input, &mut horizon, held_bytes, budget);
+        (needed, chain)
     }
 
     /// `prompt` with the ids the tokenizer gave as far as they were needed, counted by
@@ -407,17 +424,28 @@ impl Gateway {
         &self,
         prompt: PreparedPrompt,
         needed: Result<crate::tokenize::Needed, crate::tokenize::Miss>,
+        chain: Option<ExactChain>,
     ) -> PreparedPrompt {
         use crate::tokenize::Needed;
+        let hashed = |prompt: PreparedPrompt, ids: &[u32]| match chain {
+            Some(mut chain) => {
+                chain.extend(ids);
+                prompt.with_exact_chain(chain)
+            }
+            None => prompt,
+        };
         match needed {
-            Ok(Needed::Whole(ids)) => self.with_ids(prompt, Ok(ids)),
+            Ok(Needed::Whole(ids)) => {
+                let prompt = hashed(prompt, &ids);
+                self.with_ids(prompt, Ok(ids))
+            }
             Ok(Needed::Prefix(ids, _)) if ids.is_empty() => {
                 self.metrics.tokenized("not_needed");
                 prompt
             }
             Ok(Needed::Prefix(ids, rest)) => {
                 self.metrics.tokenized("prefix");
-                prompt.with_token_prefix(ids, rest)
+                hashed(prompt, &ids).with_token_prefix(ids, rest)
             }
             // Only the callers with a budget get this, and they tokenize whole instead.
             Ok(Needed::OverBudget) => prompt,
@@ -461,24 +489,15 @@ impl Gateway {
         };
         // On this worker as far as the match needs, up to the budget of new text; a prompt
         // that needs more goes whole to the pool.
-        let needed = {
-            let held_bytes = self.registry.lock().router.approx_held_bytes(&prompt);
-            let mut horizon = self.exact_horizon(target, parsed);
-            self.tokenizers.ids_as_needed(
-                &target.model,
-                &input,
-                &mut horizon,
-                held_bytes,
-                TOKENIZE_ON_POOL_BYTES,
-            )
-        };
+        let (needed, chain) =
+            self.tokenize_as_needed(target, parsed, &input, &prompt, TOKENIZE_ON_POOL_BYTES);
         if let Ok(crate::tokenize::Needed::OverBudget) = needed {
             let ids = self
                 .tokenize_on_pool(&target.model, input.to_owned_input())
                 .await;
             return self.with_ids(prompt, ids);
         }
-        self.with_needed(prompt, needed)
+        self.with_needed(prompt, needed, chain)
     }
 
     /// What the tokenizer would take of a request; none without tokenizers or a prompt to
