@@ -794,12 +794,33 @@ impl ParsedRequest<'_> {
         adapter: Option<&str>,
         f: impl FnOnce(&RouteRequest<'_>) -> R,
     ) -> R {
+        self.route_request(model, adapter, true, f)
+    }
+
+    /// As [`ParsedRequest::with_route_request`], without the client's token ids: for a route
+    /// whose prepared prompt carries them already (parsed once, outside the router's lock).
+    pub fn with_route_request_without_ids<R>(
+        &self,
+        model: &str,
+        adapter: Option<&str>,
+        f: impl FnOnce(&RouteRequest<'_>) -> R,
+    ) -> R {
+        self.route_request(model, adapter, false, f)
+    }
+
+    fn route_request<R>(
+        &self,
+        model: &str,
+        adapter: Option<&str>,
+        with_ids: bool,
+        f: impl FnOnce(&RouteRequest<'_>) -> R,
+    ) -> R {
         let messages: Vec<ChatMessage<'_>>;
         let pieces: Vec<&str>;
         // Token ids sent by the client (`/v1/completions` with `prompt` as ids) are what the
         // engine runs: the router matches them exactly against instances publishing KV events.
         let token_ids: Option<Vec<u32>> = match (&self.messages, &self.prompt) {
-            (None, PromptText::Tokens(t)) => token_ids(t),
+            (None, PromptText::Tokens(t)) if with_ids => token_ids(t),
             _ => None,
         };
         let prompt = match (&self.messages, &self.prompt) {
@@ -998,6 +1019,12 @@ mod tests {
             Some(vec![1, 2, 3])
         );
         assert_eq!(ids(r#"{"model":"m","prompt":"1 2 3"}"#), None, "text");
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[1,2,3]}"#)
+                .with_route_request_without_ids("m", None, |r| r.token_ids.map(<[u32]>::to_vec)),
+            None,
+            "the route under the lock takes them from the prepared prompt"
+        );
         assert_eq!(ids(r#"{"model":"m","prompt":[5000000000]}"#), None);
         assert_eq!(
             p(r#"{"model":"m","input":"embed me"}"#).prompt,

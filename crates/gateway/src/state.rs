@@ -144,8 +144,10 @@ impl Registry {
         now: f64,
     ) -> Result<Decision, ModelError> {
         let router = &mut self.router;
+        // The client's token ids, if any, were parsed into the prepared prompt (not here,
+        // under the lock).
         parsed
-            .with_route_request(&target.model, target.adapter.as_deref(), |r| {
+            .with_route_request_without_ids(&target.model, target.adapter.as_deref(), |r| {
                 router.route_prepared(&target.request(r, kind), prepared, now)
             })
             .map_err(|_| ModelError::Unknown(parsed.model.to_string()))
@@ -235,7 +237,12 @@ impl Target {
         block_bytes: usize,
     ) -> PreparedPrompt {
         parsed.with_route_request(&self.model, self.adapter.as_deref(), |r| {
-            switchyard_core::prepare(&self.request(r, kind), block_bytes)
+            let prepared = switchyard_core::prepare(&self.request(r, kind), block_bytes);
+            match r.token_ids {
+                // The client's own ids, parsed once here for every route of the request.
+                Some(ids) => prepared.with_token_ids(ids.to_vec()),
+                None => prepared,
+            }
         })
     }
 }
@@ -485,7 +492,7 @@ impl Gateway {
         prompt: PreparedPrompt,
     ) -> PreparedPrompt {
         let Some(input) = self.tokenizer_input(parsed, kind) else {
-            return prompt;
+            return self.hash_client_ids(target, prompt);
         };
         // On this worker as far as the match needs, up to the budget of new text; a prompt
         // that needs more goes whole to the pool.
@@ -498,6 +505,25 @@ impl Gateway {
             return self.with_ids(prompt, ids);
         }
         self.with_needed(prompt, needed, chain)
+    }
+
+    /// `prompt` with the client's token ids (a `/v1/completions` prompt of ids) hashed in the
+    /// exact index's blocks, here rather than under the router's lock.
+    fn hash_client_ids(&self, target: &Target, prompt: PreparedPrompt) -> PreparedPrompt {
+        let Some(ids) = prompt.token_ids() else {
+            return prompt;
+        };
+        let Some(size) = self
+            .registry
+            .lock()
+            .router
+            .exact_block_tokens(&target.model)
+        else {
+            return prompt;
+        };
+        let mut chain = ExactChain::new(size, target.adapter.as_deref());
+        chain.extend(ids);
+        prompt.with_exact_chain(chain)
     }
 
     /// What the tokenizer would take of a request; none without tokenizers or a prompt to
