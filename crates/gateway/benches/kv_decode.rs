@@ -76,8 +76,10 @@ fn chatml() -> (String, String) {
                 "lstrip": false, "rstrip": false, "normalized": false, "special": true})
         })
         .collect();
-    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\
-                    {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    // The role written as the emulator's marker (`<|user|>\n`), which its vocabulary covers, so
+    // that every rendered conversation tokenizes without an unknown token.
+    let template = "{% for m in messages %}<|im_start|><|{{ m.role }}|>\n{{ m.content }}<|im_end|>\n\
+                    {% endfor %}{% if add_generation_prompt %}<|im_start|><|assistant|>\n{% endif %}";
     let config = serde_json::json!({"chat_template": template}).to_string();
     (json.to_string(), config)
 }
@@ -198,6 +200,7 @@ fn tokenize(c: &mut Criterion) {
         let history = chatml_cached
             .chat_token_ids("m", &messages[..3])
             .map_or(0, |ids| ids.len());
+        assert!(history > 0, "the bench's conversation must tokenize");
         c.bench_function(
             &format!("tokenize_chatml_{n}_tokens_next_turn_as_needed"),
             |b| {
@@ -222,6 +225,58 @@ fn tokenize(c: &mut Criterion) {
                 )
             },
         );
+        // A next turn as it comes: the last answer is new to the piece cache too (an engine
+        // generated it), and an instance holds the history up to it. Whole (as before), and
+        // as far as exact matching needs.
+        let words = &words;
+        let chatml_uncached = &chatml_uncached;
+        let turn = &turn;
+        let mut spelled = || -> String {
+            turn_number += 1;
+            (0..4)
+                .map(|digit| words[turn_number / words.len().pow(digit) % words.len()])
+                .collect()
+        };
+        let mut fresh_turn = || {
+            let answer = format!("{}{turn}", spelled());
+            let last = format!("{}{turn}", spelled());
+            let held = chatml_uncached
+                .chat_token_ids(
+                    "m",
+                    &[messages[0], messages[1], ("assistant", answer.as_str())],
+                )
+                .map_or(0, |ids| ids.len());
+            assert!(held > 0, "the bench's conversation must tokenize");
+            (answer, last, held)
+        };
+        for as_needed in [false, true] {
+            let label = if as_needed { "_as_needed" } else { "" };
+            c.bench_function(
+                &format!("tokenize_chatml_{n}_tokens_next_turn_new_answer{label}"),
+                |b| {
+                    b.iter_batched(
+                        &mut fresh_turn,
+                        |(answer, last, held)| {
+                            let conversation: Vec<(&str, &str)> = vec![
+                                messages[0],
+                                messages[1],
+                                ("assistant", &answer),
+                                ("user", &last),
+                            ];
+                            let input = Input::Chat(std::hint::black_box(conversation));
+                            if as_needed {
+                                chatml_cached
+                                    .ids_as_needed("m", &input, &mut held_upto(held), 0, usize::MAX)
+                                    .is_ok()
+                            } else {
+                                chatml_cached.ids("m", &input).is_ok()
+                            }
+                        },
+                        criterion::BatchSize::SmallInput,
+                    )
+                },
+            );
+        }
     }
 }
 
