@@ -396,23 +396,30 @@ impl Gateway {
         Result<crate::tokenize::Needed, crate::tokenize::Miss>,
         Option<ExactChain>,
     ) {
-        let (held_bytes, block_tokens) = {
-            let registry = &mut *self.registry.lock();
+        let adapter = target.adapter.as_deref();
+        let salt = parsed.cache_salt.as_deref();
+        // One hold of the lock for what every prompt needs first (a prompt nothing publishes
+        // for stops at the horizon of no ids: 0).
+        let (held_bytes, block_tokens, first_horizon) = {
+            let router = &mut self.registry.lock().router;
             (
-                registry.router.approx_held_bytes(prompt),
-                registry.router.exact_block_tokens(&target.model),
+                router.approx_held_bytes(prompt),
+                router.exact_block_tokens(&target.model),
+                router.exact_horizon(&target.model, adapter, salt, &[], None),
             )
         };
-        let adapter = target.adapter.as_deref();
         let mut chain = block_tokens.map(|size| ExactChain::new(size, adapter));
         let mut horizon = |ids: &[u32]| {
+            if ids.is_empty() {
+                return first_horizon;
+            }
             if let Some(chain) = chain.as_mut() {
                 chain.extend(ids);
             }
             self.registry.lock().router.exact_horizon(
                 &target.model,
                 adapter,
-                parsed.cache_salt.as_deref(),
+                salt,
                 ids,
                 chain.as_ref(),
             )
