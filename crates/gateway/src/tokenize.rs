@@ -272,19 +272,8 @@ impl Tokenizers {
     /// [`Tokenizers::token_ids`] for a text), or why there are none.
     pub fn ids<S: AsRef<str>>(&self, model: &str, input: &Input<S>) -> Result<Vec<u32>, Miss> {
         let loaded = self.by_model.get(model).ok_or(Miss::NoTokenizer)?;
-        match input {
-            Input::Chat(messages) => {
-                let messages: Vec<(&str, &str)> = messages
-                    .iter()
-                    .map(|(r, c)| (r.as_ref(), c.as_ref()))
-                    .collect();
-                let chat = loaded.chat.as_ref().ok_or(Miss::NoTemplate)?;
-                let text = chat.render(&messages).ok_or(Miss::TemplateFailed)?;
-                // The template wrote the special tokens itself.
-                loaded.encode(&text, false).ok_or(Miss::Unknown)
-            }
-            Input::Text(t) => loaded.encode(t.as_ref(), true).ok_or(Miss::Unknown),
-        }
+        let (text, special) = loaded.text_of(input)?;
+        loaded.encode(&text, special).ok_or(Miss::Unknown)
     }
 
     /// As [`Tokenizers::ids`], but only as far as exact matching needs: `horizon` says, for
@@ -305,21 +294,9 @@ impl Tokenizers {
         budget: usize,
     ) -> Result<Needed, Miss> {
         let loaded = self.by_model.get(model).ok_or(Miss::NoTokenizer)?;
-        let rendered;
-        let (text, special) = match input {
-            Input::Chat(messages) => {
-                let messages: Vec<(&str, &str)> = messages
-                    .iter()
-                    .map(|(r, c)| (r.as_ref(), c.as_ref()))
-                    .collect();
-                let chat = loaded.chat.as_ref().ok_or(Miss::NoTemplate)?;
-                rendered = chat.render(&messages).ok_or(Miss::TemplateFailed)?;
-                (rendered.as_str(), false)
-            }
-            Input::Text(t) => (t.as_ref(), true),
-        };
+        let (text, special) = loaded.text_of(input)?;
         loaded
-            .encode_as_needed(text, special, horizon, held_bytes, budget)
+            .encode_as_needed(&text, special, horizon, held_bytes, budget)
             .ok_or(Miss::Unknown)
     }
 
@@ -330,6 +307,27 @@ impl Tokenizers {
 }
 
 impl Loaded {
+    /// The text the tokenizer takes of `input`, and whether the post-processor's special
+    /// tokens go around it: chat messages rendered with the template (which writes the
+    /// special tokens itself), a text prompt as it is.
+    fn text_of<'i, S: AsRef<str>>(
+        &self,
+        input: &'i Input<S>,
+    ) -> Result<(std::borrow::Cow<'i, str>, bool), Miss> {
+        match input {
+            Input::Chat(messages) => {
+                let messages: Vec<(&str, &str)> = messages
+                    .iter()
+                    .map(|(r, c)| (r.as_ref(), c.as_ref()))
+                    .collect();
+                let chat = self.chat.as_ref().ok_or(Miss::NoTemplate)?;
+                let text = chat.render(&messages).ok_or(Miss::TemplateFailed)?;
+                Ok((text.into(), false))
+            }
+            Input::Text(t) => Ok((t.as_ref().into(), true)),
+        }
+    }
+
     fn encode(&self, text: &str, special: bool) -> Option<Vec<u32>> {
         let ids = match &self.pieces {
             Some(pieces) => pieces.encode(&self.tokenizer, text, special)?,
@@ -340,9 +338,7 @@ impl Loaded {
         }
         Some(ids)
     }
-}
 
-impl Loaded {
     fn encode_as_needed(
         &self,
         text: &str,
