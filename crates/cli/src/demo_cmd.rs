@@ -71,6 +71,7 @@ fn engine(model: &str, speed: f64, seed: u64, adapters: bool, role: Role) -> Emu
         kv_events: None,
         seed,
         max_body_bytes: 32 * 1024 * 1024,
+        special_tokens: false,
     }
 }
 

@@ -123,6 +123,11 @@ pub struct EngineArgs {
     /// --tokenizer: prompts and chat messages made of its words tokenize alike).
     #[arg(long, value_name = "FILE")]
     pub write_tokenizer: Option<PathBuf>,
+    /// Tokenize the chat template's markers (`<|user|>`, `<|end|>`…) as special tokens: one
+    /// token each, the text between them on its own, as a chat model's tokenizer does
+    /// (--write-tokenizer then writes them as added tokens). Off: one 4-byte chunk stream.
+    #[arg(long)]
+    pub special_tokens: bool,
     /// Engine id reported in KV hand-offs (default derived from port and pid).
     #[arg(long)]
     pub engine_id: Option<String>,
@@ -249,6 +254,7 @@ pub fn emulator_config(args: &EngineArgs) -> Result<EmulatorConfig> {
         kv_events,
         seed: args.seed,
         max_body_bytes: args.max_body_bytes,
+        special_tokens: args.special_tokens,
     })
 }
 
@@ -256,7 +262,8 @@ pub fn emulator_config(args: &EngineArgs) -> Result<EmulatorConfig> {
 pub fn run(args: EngineArgs) -> Result<()> {
     let cfg = emulator_config(&args)?;
     if let Some(path) = &args.write_tokenizer {
-        std::fs::write(path, switchyard_emulator::tokenizer_json::tokenizer_json())
+        let json = switchyard_emulator::tokenizer_json::tokenizer_json_for(args.special_tokens);
+        std::fs::write(path, json)
             .with_context(|| format!("--write-tokenizer {}", path.display()))?;
         // The chat template beside it, as in a Hugging Face model directory.
         let config = path.with_file_name("tokenizer_config.json");

@@ -781,3 +781,145 @@ async fn chat_messages_tokenized_with_the_chat_template_predict_cached_tokens_to
         );
     }
 }
+
+/// The answer's text in a chat completion, streamed (SSE chunks) or not.
+fn answer_text(body: &str, stream: bool) -> String {
+    if !stream {
+        let v: serde_json::Value = serde_json::from_str(body).expect("json");
+        return v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+    }
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_answer_is_tokenized_for_the_next_turn_as_it_ends() {
+    // Emulators whose chat markers are special tokens, as a chat model's are: the gateway's
+    // tokenizer cuts prompts into pieces at them, caches the pieces' ids, and warms the cache
+    // with each answer as it ends.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokenizer.json");
+    let tokenizer = path.to_str().unwrap();
+    let special = |extra: &[&str]| {
+        let mut args = vec![
+            "--model",
+            MODEL,
+            "--speed",
+            "100",
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:0",
+            "--kv-events-bind",
+            "--special-tokens",
+        ];
+        args.extend_from_slice(extra);
+        Emulator::start(&args)
+    };
+    let a = special(&["--write-tokenizer", tokenizer]);
+    let b = special(&[]);
+    let flag = format!("{MODEL}={tokenizer}");
+    let gw = exact_gateway(&a, &b, &["--tokenizer", &flag]);
+    let c = client();
+    until_exact(&c, &gw, &a, "a", 9).await;
+    until_exact(&c, &gw, &b, "b", 10).await;
+    let total = |m: &str, name: &str, label: &str| metric_sum(m, name, &[label]);
+
+    let system = words(700, 30);
+    let mut warmed_bytes = 0.0;
+    // First turns, streamed and not: the answer is warmed, the question is not (a one-off
+    // prompt does not pay for text no next turn may send) unless the request names its
+    // session.
+    for (n, (stream, session)) in [(true, false), (false, false), (true, true)]
+        .into_iter()
+        .enumerate()
+    {
+        let question = words(710 + n as u32, 200);
+        let messages = json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ]);
+        let body =
+            json!({"model": MODEL, "stream": stream, "max_tokens": 12, "messages": messages});
+        let headers: &[(&str, &str)] = if session {
+            &[("x-session-id", "conversation-1")]
+        } else {
+            &[]
+        };
+        let url = gw.url("/v1/chat/completions");
+        let r = gateway_support::post_with(&c, &url, &body, headers).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let holder = r.header("x-switchyard-backend").expect("backend header");
+        let answer = answer_text(&r.text, stream);
+        assert!(!answer.is_empty(), "{}", r.text);
+        // The pieces the next turn sends again: "\n" and the answer between the assistant's
+        // markers, and with a session "\n" and the question between the user's.
+        warmed_bytes += (answer.len() + 1) as f64;
+        if session {
+            warmed_bytes += (question.len() + 1) as f64;
+        }
+        let m = poll(Duration::from_secs(20), || {
+            let (c, gw) = (&c, &gw);
+            async move {
+                let m = metrics(c, gw).await;
+                let warmed = total(
+                    &m,
+                    "switchyard_tokenizer_warmups_total",
+                    "result=\"warmed\"",
+                );
+                (warmed == (n + 1) as f64).then_some(m)
+            }
+        })
+        .await
+        .unwrap_or_else(|| panic!("answer {n} was never warmed"));
+        let fresh = |m: &str, path: &str| {
+            total(
+                m,
+                "switchyard_tokenizer_new_bytes_total",
+                &format!("path=\"{path}\""),
+            )
+        };
+        assert_eq!(fresh(&m, "warmup"), warmed_bytes, "answer {n}: {answer:?}");
+        if !session {
+            continue;
+        }
+        // The next turn: back to the instance holding the conversation, its cached tokens
+        // predicted to the token, and nothing of it tokenized on the way but the new question.
+        let next = words(720, 10);
+        let mut turn = messages.as_array().unwrap().clone();
+        turn.push(json!({"role": "assistant", "content": answer}));
+        turn.push(json!({"role": "user", "content": next}));
+        let before = fresh(&m, "request");
+        let body = json!({"model": MODEL, "max_tokens": 1, "messages": turn});
+        let r = gateway_support::post_with(&c, &url, &body, headers).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let decision = r.header("x-switchyard-decision").unwrap_or_default();
+        assert_eq!(r.header("x-switchyard-backend"), Some(holder), "{decision}");
+        let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("usage with cached tokens");
+        assert!(
+            cached as usize * 4 > answer.len() + question.len(),
+            "{cached}"
+        );
+        assert!(
+            decision.contains(&format!("cached={cached} ")),
+            "{cached}: {decision}"
+        );
+        let m = metrics(&c, &gw).await;
+        let on_the_way = fresh(&m, "request") - before;
+        assert!(
+            on_the_way <= (next.len() + 1) as f64,
+            "{on_the_way} bytes tokenized on the way"
+        );
+    }
+}

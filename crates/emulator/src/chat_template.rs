@@ -13,6 +13,53 @@
 //! `"<|user|>\nHi<|end|>\n<|assistant|>\n"`.
 
 use crate::openai::ChatMessage;
+use switchyard_engine::tokenizer;
+
+/// The template's markers, tokenized as special tokens with `--special-tokens`: one token
+/// each, the text between them tokenized on its own (as a chat model's tokenizer cuts a
+/// prompt at its special tokens before anything else).
+pub const SPECIAL_TOKENS: [&str; 6] = [
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|developer|>",
+    "<|end|>",
+];
+
+/// The id of [`SPECIAL_TOKENS`]`[k]`: a first byte of zero, which no chunk of text without NUL
+/// bytes has, so it is never a text token's id.
+pub fn special_token_id(k: usize) -> u32 {
+    (k as u32 + 1) << 8
+}
+
+/// The prompt's token ids: the emulator's 4-byte chunks, and with `special_tokens` the
+/// template's markers as one token each, the text between them chunked from its own start.
+pub fn encode(text: &str, special_tokens: bool) -> Vec<u32> {
+    if !special_tokens {
+        return tokenizer::encode(text);
+    }
+    let mut ids = Vec::with_capacity(tokenizer::count(text));
+    let mut piece_start = 0;
+    let mut from = 0;
+    while let Some(found) = text[from..].find("<|") {
+        let at = from + found;
+        match SPECIAL_TOKENS
+            .iter()
+            .position(|t| text[at..].starts_with(t))
+        {
+            Some(k) => {
+                ids.extend(tokenizer::encode(&text[piece_start..at]));
+                ids.push(special_token_id(k));
+                piece_start = at + SPECIAL_TOKENS[k].len();
+                from = piece_start;
+            }
+            None => from = at + 2,
+        }
+    }
+    ids.extend(tokenizer::encode(&text[piece_start..]));
+    ids
+}
 
 /// Render a conversation to the prompt text the tokenizer sees.
 pub fn render(messages: &[ChatMessage]) -> String {
@@ -34,6 +81,23 @@ pub fn render(messages: &[ChatMessage]) -> String {
 mod tests {
     use super::*;
     use crate::openai::MessageContent;
+
+    #[test]
+    fn special_tokens_cut_the_prompt_into_pieces_chunked_on_their_own() {
+        let text = "<|user|>\nHi there<|end|>\n<|x|><|assistant|>\n";
+        assert_eq!(encode(text, false), tokenizer::encode(text));
+        let mut expected = vec![special_token_id(1)];
+        expected.extend(tokenizer::encode("\nHi there"));
+        expected.push(special_token_id(5));
+        expected.extend(tokenizer::encode("\n<|x|>"));
+        expected.push(special_token_id(2));
+        expected.extend(tokenizer::encode("\n"));
+        assert_eq!(encode(text, true), expected);
+        // No chunk of text has a marker's id.
+        for k in 0..SPECIAL_TOKENS.len() {
+            assert_eq!(special_token_id(k).to_le_bytes()[0], 0);
+        }
+    }
 
     #[test]
     fn renders_roles_in_order() {

@@ -92,7 +92,10 @@ pub async fn chat_completions(
 }
 
 /// Tokenize a completion prompt.
-pub fn completion_prompt(prompt: Option<&PromptInput>) -> Result<Vec<u32>, ApiError> {
+pub fn completion_prompt(
+    prompt: Option<&PromptInput>,
+    special_tokens: bool,
+) -> Result<Vec<u32>, ApiError> {
     let one = |v: Vec<u32>| {
         if v.is_empty() {
             Err(ApiError::bad_request("The prompt must not be empty.").with_param("prompt"))
@@ -102,9 +105,11 @@ pub fn completion_prompt(prompt: Option<&PromptInput>) -> Result<Vec<u32>, ApiEr
     };
     match prompt {
         None => Err(ApiError::bad_request("The `prompt` field is required.").with_param("prompt")),
-        Some(PromptInput::Text(t)) => one(tokenizer::encode(t)),
+        Some(PromptInput::Text(t)) => one(chat_template::encode(t, special_tokens)),
         Some(PromptInput::Tokens(t)) => one(t.clone()),
-        Some(PromptInput::Texts(v)) if v.len() == 1 => one(tokenizer::encode(&v[0])),
+        Some(PromptInput::Texts(v)) if v.len() == 1 => {
+            one(chat_template::encode(&v[0], special_tokens))
+        }
         Some(PromptInput::TokenLists(v)) if v.len() == 1 => one(v[0].clone()),
         Some(_) => Err(ApiError::bad_request(
             "The emulator accepts one prompt per request (batched prompts are not supported).",
@@ -118,7 +123,7 @@ pub fn prepare_completion(state: &SharedState, body: &[u8]) -> Result<Prepared, 
     let req: CompletionRequest = openai::parse_body(body)?;
     let model = openai::validate_common(&req.common)?;
     let adapter = state.resolve_model(&model)?;
-    let prompt = completion_prompt(req.prompt.as_ref())?;
+    let prompt = completion_prompt(req.prompt.as_ref(), state.special_tokens)?;
     let max_tokens = req.max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
     finish_prepare(
         state,
@@ -138,7 +143,7 @@ pub fn prepare_chat(state: &SharedState, body: &[u8]) -> Result<Prepared, ApiErr
     let messages = openai::validate_messages(req.messages.as_deref())?;
     let adapter = state.resolve_model(&model)?;
     let text = chat_template::render(messages);
-    let prompt = tokenizer::encode(&text);
+    let prompt = chat_template::encode(&text, state.special_tokens);
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
     finish_prepare(
         state,
@@ -477,17 +482,19 @@ mod tests {
 
     #[test]
     fn prompt_forms() {
-        assert!(completion_prompt(None).is_err());
-        assert!(completion_prompt(Some(&PromptInput::Text(String::new()))).is_err());
+        assert!(completion_prompt(None, false).is_err());
+        assert!(completion_prompt(Some(&PromptInput::Text(String::new())), false).is_err());
         assert_eq!(
-            completion_prompt(Some(&PromptInput::Tokens(vec![1, 2]))).unwrap(),
+            completion_prompt(Some(&PromptInput::Tokens(vec![1, 2])), false).unwrap(),
             vec![1, 2]
         );
-        assert!(
-            completion_prompt(Some(&PromptInput::Texts(vec!["a".into(), "b".into()]))).is_err()
-        );
+        assert!(completion_prompt(
+            Some(&PromptInput::Texts(vec!["a".into(), "b".into()])),
+            false
+        )
+        .is_err());
         assert_eq!(
-            completion_prompt(Some(&PromptInput::Text("abcdefgh".into())))
+            completion_prompt(Some(&PromptInput::Text("abcdefgh".into())), false)
                 .unwrap()
                 .len(),
             tokenizer::count("abcdefgh")

@@ -254,7 +254,7 @@ pub async fn tokenize(
                 ))
             }
         };
-        let tokens = tokenizer::encode(&text);
+        let tokens = crate::chat_template::encode(&text, state.special_tokens);
         Ok(json!({
             "count": tokens.len(),
             "max_model_len": state.engine_cfg.max_model_len,

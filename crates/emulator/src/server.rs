@@ -45,6 +45,9 @@ pub struct EmulatorConfig {
     pub seed: u64,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
+    /// Tokenize the chat template's markers as special tokens
+    /// ([`crate::chat_template::encode`]).
+    pub special_tokens: bool,
 }
 
 /// Errors starting the server.
@@ -227,6 +230,7 @@ pub async fn start(cfg: EmulatorConfig) -> Result<RunningServer, ServerError> {
         metrics,
         adapters: RwLock::new(adapters),
         instant: cfg.instant,
+        special_tokens: cfg.special_tokens,
         created: kv_events::unix_now() as u64,
         advertised: Advertised {
             host: advertised_host,

@@ -27,6 +27,8 @@ pub struct AppState {
     pub adapters: RwLock<BTreeMap<String, String>>,
     /// Answer at once without engine timing.
     pub instant: bool,
+    /// The chat template's markers are special tokens (`--special-tokens`).
+    pub special_tokens: bool,
     /// Unix time the server started (`created` in `/v1/models`).
     pub created: u64,
     /// Where the prefill side says its KV lives.

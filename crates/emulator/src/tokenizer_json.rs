@@ -20,17 +20,46 @@ pub const UNK_ID: u32 = 0;
 /// The tokenizer.json text: a WordLevel model over the vocabulary, text split into 4-character
 /// pieces (one per 4-byte chunk for ASCII text).
 pub fn tokenizer_json() -> String {
+    tokenizer_json_for(false)
+}
+
+/// [`tokenizer_json`], with the chat template's markers as added (special) tokens when the
+/// emulator runs with `--special-tokens` ([`crate::chat_template::SPECIAL_TOKENS`]): a
+/// tokenizer cuts the text at them before splitting it into 4-character pieces, as the
+/// emulator does then.
+pub fn tokenizer_json_for(special_tokens: bool) -> String {
+    let added: Vec<Value> = if special_tokens {
+        crate::chat_template::SPECIAL_TOKENS
+            .iter()
+            .enumerate()
+            .map(|(k, content)| {
+                json!({"id": crate::chat_template::special_token_id(k), "content": content,
+                    "single_word": false, "lstrip": false, "rstrip": false,
+                    "normalized": false, "special": true})
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut vocab = Map::new();
     vocab.insert("[UNK]".into(), json!(UNK_ID));
     for piece in pieces() {
         let id = switchyard_engine::tokenizer::encode(&piece)[0];
         vocab.insert(piece, json!(id));
     }
+    if special_tokens {
+        // An added token takes its id from the model's vocabulary when it is there (else the
+        // next free one, whatever the file says); the 4-character split never yields one.
+        for (k, content) in crate::chat_template::SPECIAL_TOKENS.iter().enumerate() {
+            let id = crate::chat_template::special_token_id(k);
+            vocab.insert(content.to_string(), json!(id));
+        }
+    }
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": [],
+        "added_tokens": added,
         "normalizer": null,
         "pre_tokenizer": {
             "type": "Split",

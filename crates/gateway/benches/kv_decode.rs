@@ -137,7 +137,14 @@ fn tokenize(c: &mut Criterion) {
                     b.iter(|| {
                         let input = Input::Text(std::hint::black_box(prompt.as_str()));
                         uncached
-                            .ids_as_needed("m", &input, &mut held_upto(held), hint, usize::MAX)
+                            .ids_as_needed(
+                                "m",
+                                &input,
+                                &mut held_upto(held),
+                                hint,
+                                usize::MAX,
+                                &mut 0,
+                            )
                             .map(|needed| matches!(needed, Needed::Whole(_)))
                     })
                 },
@@ -218,7 +225,14 @@ fn tokenize(c: &mut Criterion) {
                             vec![messages[0], messages[1], messages[2], ("user", &last)];
                         let input = Input::Chat(std::hint::black_box(conversation));
                         chatml_cached
-                            .ids_as_needed("m", &input, &mut held_upto(history), 0, usize::MAX)
+                            .ids_as_needed(
+                                "m",
+                                &input,
+                                &mut held_upto(history),
+                                0,
+                                usize::MAX,
+                                &mut 0,
+                            )
                             .map(|needed| matches!(needed, Needed::Whole(_)))
                     },
                     criterion::BatchSize::SmallInput,
@@ -266,7 +280,14 @@ fn tokenize(c: &mut Criterion) {
                             let input = Input::Chat(std::hint::black_box(conversation));
                             if as_needed {
                                 chatml_cached
-                                    .ids_as_needed("m", &input, &mut held_upto(held), 0, usize::MAX)
+                                    .ids_as_needed(
+                                        "m",
+                                        &input,
+                                        &mut held_upto(held),
+                                        0,
+                                        usize::MAX,
+                                        &mut 0,
+                                    )
                                     .is_ok()
                             } else {
                                 chatml_cached.ids("m", &input).is_ok()
@@ -277,6 +298,47 @@ fn tokenize(c: &mut Criterion) {
                 },
             );
         }
+        // The same next turn when the gateway warmed the piece cache with the last answer as
+        // it ended (`Tokenizers::warm`, off the next turn's path, in the setup here), and what
+        // that warming costs.
+        let warm = |answer: &str| {
+            let conversation = vec![messages[0], messages[1], ("assistant", answer)];
+            chatml_cached
+                .warm("m", &Input::Chat(conversation), &[answer])
+                .expect("the answer is in the rendering")
+        };
+        c.bench_function(
+            &format!("tokenize_chatml_{n}_tokens_next_turn_answer_warmed_as_needed"),
+            |b| {
+                b.iter_batched(
+                    || {
+                        let (answer, last, held) = fresh_turn();
+                        warm(&answer);
+                        (answer, last, held)
+                    },
+                    |(answer, last, held)| {
+                        let conversation: Vec<(&str, &str)> = vec![
+                            messages[0],
+                            messages[1],
+                            ("assistant", &answer),
+                            ("user", &last),
+                        ];
+                        let input = Input::Chat(std::hint::black_box(conversation));
+                        chatml_cached
+                            .ids_as_needed("m", &input, &mut held_upto(held), 0, usize::MAX, &mut 0)
+                            .is_ok()
+                    },
+                    criterion::BatchSize::SmallInput,
+                )
+            },
+        );
+        c.bench_function(&format!("warm_chatml_{n}_tokens_answer"), |b| {
+            b.iter_batched(
+                &mut fresh_turn,
+                |(answer, _, _)| warm(std::hint::black_box(&answer)),
+                criterion::BatchSize::SmallInput,
+            )
+        });
     }
 }
 

@@ -55,6 +55,9 @@ pub struct Routed {
     /// The `model` to put in the body sent upstream, when an alias or the single-model
     /// fallback applied (else the body's own is right).
     pub upstream_model: Option<String>,
+    /// What to keep to warm the piece cache with the answer (chat requests tokenized for
+    /// exact matching; [`crate::state::Gateway::answer_warm`]).
+    pub warm: Option<Arc<crate::state::AnswerWarm>>,
 }
 
 impl Routed {
@@ -318,6 +321,7 @@ pub(crate) fn respond(
         let predicted = routed.predicted_cached(backend.id);
         ObservedBody::tracked(incoming, guard, started, sse, strip_usage && sse, predicted)
             .with_idle_timeout(gw.settings.stream_idle_timeout)
+            .with_answer_warm(routed.warm.clone())
     } else {
         // The engine answered: an error is the client's to see, never held against health
         // (4xx), and the request is over as far as the router is concerned.

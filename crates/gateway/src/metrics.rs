@@ -44,6 +44,13 @@ pub struct ResultLabel {
     pub result: &'static str,
 }
 
+/// Label `path` alone.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PathLabel {
+    /// Where the work was done.
+    pub path: &'static str,
+}
+
 /// Labels `backend`, `adapter`, `action`, `outcome` (dynamic adapter placement).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PlacementLabels {
@@ -130,6 +137,11 @@ pub struct Metrics {
     peer_dns_lookups: Family<ResultLabel, Counter>,
     /// Prompts tokenized for exact matching (`--tokenizer`), by result.
     tokenized: Family<ResultLabel, Counter>,
+    /// Chat answers tokenized into the piece cache for their conversation's next turn, by
+    /// result.
+    tokenizer_warmups: Family<ResultLabel, Counter>,
+    /// Bytes of prompt text tokenized anew (not found in the piece cache), by path.
+    tokenizer_new_bytes: Family<PathLabel, Counter>,
     /// Replicas the last successful `--peer-dns` lookup found (this one left out).
     pub peer_dns_peers: Gauge,
     /// Failed Kubernetes discovery calls (list, watch): one per failure, whatever the cause.
@@ -438,6 +450,18 @@ impl Metrics {
             "Prompts of models with a --tokenizer, by result: ids (tokenized whole), prefix (tokenized as far as an instance could hold it), not_needed (no instance of the model matched exactly), unknown (text outside the vocabulary), no_template (chat without a chat template), template_failed",
             tokenized.clone(),
         );
+        let tokenizer_warmups = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "switchyard_tokenizer_warmups",
+            "Chat answers tokenized into the piece cache after they end, for the next turn, by result: warmed, cached (nothing new), busy (a long one and every tokenizing thread taken), skipped (the answer is not in the template's rendering as sent, or the template failed)",
+            tokenizer_warmups.clone(),
+        );
+        let tokenizer_new_bytes = Family::<PathLabel, Counter>::default();
+        registry.register(
+            "switchyard_tokenizer_new_bytes",
+            "Bytes of prompt text tokenized anew (not found in the piece cache), by path: request (on the way to routing) or warmup (after an answer)",
+            tokenizer_new_bytes.clone(),
+        );
         let peer_dns_peers = Gauge::default();
         registry.register(
             "switchyard_peer_dns_peers",
@@ -511,6 +535,8 @@ impl Metrics {
             peer_messages,
             peer_dns_lookups,
             tokenized,
+            tokenizer_warmups,
+            tokenizer_new_bytes,
             peer_dns_peers,
             discovery_errors,
             discovery_last_sync,
@@ -724,6 +750,22 @@ impl Metrics {
     /// Counts a prompt tokenized for exact matching, by result.
     pub fn tokenized(&self, result: &'static str) {
         self.tokenized.get_or_create(&ResultLabel { result }).inc();
+    }
+
+    /// Counts a chat answer warmed into the piece cache, by result.
+    pub fn tokenizer_warmup(&self, result: &'static str) {
+        self.tokenizer_warmups
+            .get_or_create(&ResultLabel { result })
+            .inc();
+    }
+
+    /// Counts `bytes` of prompt text tokenized anew on `path` (`request` or `warmup`).
+    pub fn tokenizer_new_bytes(&self, path: &'static str, bytes: usize) {
+        if bytes > 0 {
+            self.tokenizer_new_bytes
+                .get_or_create(&PathLabel { path })
+                .inc_by(bytes as u64);
+        }
     }
 
     /// Counts a `--peer-dns` lookup.

@@ -180,6 +180,7 @@ fn route_once(
         prompt_tokens,
         explain,
         upstream_model: prepared.target.upstream_model.clone(),
+        warm: None,
     };
     let plan = routed.plan_for(first);
     registry.observe(
@@ -219,21 +220,25 @@ pub async fn route(
     let target = gw.registry.lock().target(&parsed.model)?;
     let prompt = target.prepare(parsed, kind, gw.block_bytes);
     let prompt = gw.tokenize_off_worker(&target, parsed, kind, prompt).await;
+    let warm = gw.answer_warm(&target, parsed, &prompt);
     let prepared = Prepared {
         target,
         prompt,
         kind,
     };
     // Requests already waiting for this model go first: a newcomer joins the end of the line.
-    if gw.admission.has_line(&parsed.model) {
-        return Box::pin(queue(gw, parsed, &prepared, rid)).await;
-    }
-    match route_once(gw, parsed, &prepared, rid)? {
-        RouteStep::Go(r) => Ok(r),
-        RouteStep::NoBackend => Err(ApiError::no_backend(&parsed.model)),
-        // Rare: boxed, so the common request's future stays small.
-        RouteStep::Saturated => Box::pin(queue(gw, parsed, &prepared, rid)).await,
-    }
+    let mut routed = if gw.admission.has_line(&parsed.model) {
+        Box::pin(queue(gw, parsed, &prepared, rid)).await?
+    } else {
+        match route_once(gw, parsed, &prepared, rid)? {
+            RouteStep::Go(r) => r,
+            RouteStep::NoBackend => return Err(ApiError::no_backend(&parsed.model)),
+            // Rare: boxed, so the common request's future stays small.
+            RouteStep::Saturated => Box::pin(queue(gw, parsed, &prepared, rid)).await?,
+        }
+    };
+    routed.warm = warm;
+    Ok(routed)
 }
 
 /// Waits in the admission queue (FIFO per model), routing again whenever it is this request's

@@ -258,6 +258,29 @@ fn note_fallback(log: &mut FallbackLog, requested: &str, model: &str) {
     }
 }
 
+/// A chat request kept until its answer ends, so that the answer can be tokenized into the
+/// piece cache for the conversation's next turn ([`Gateway::answer_warm`]).
+#[derive(Debug)]
+pub struct AnswerWarm {
+    /// The base model whose tokenizer renders and tokenizes it.
+    model: String,
+    /// The request's messages (role, content).
+    messages: Vec<(String, String)>,
+    /// Whether the last question is warmed too.
+    with_question: bool,
+}
+
+impl AnswerWarm {
+    /// The question to warm with the answer: the last user message, when it is warmed.
+    fn question(&self) -> &str {
+        self.messages
+            .iter()
+            .rev()
+            .find(|(role, _)| self.with_question && role == "user")
+            .map_or("", |(_, content)| content.as_str())
+    }
+}
+
 /// Prompts with this many bytes of text or more are tokenized on the blocking pool (about 4k
 /// tokens: a few milliseconds when the text is new).
 pub const TOKENIZE_ON_POOL_BYTES: usize = 16 << 10;
@@ -424,9 +447,16 @@ impl Gateway {
                 chain.as_ref(),
             )
         };
-        let needed =
-            self.tokenizers
-                .ids_as_needed(&target.model, input, &mut horizon, held_bytes, budget);
+        let mut fresh_bytes = 0;
+        let needed = self.tokenizers.ids_as_needed(
+            &target.model,
+            input,
+            &mut horizon,
+            held_bytes,
+            budget,
+            &mut fresh_bytes,
+        );
+        self.metrics.tokenizer_new_bytes("request", fresh_bytes);
         (needed, chain)
     }
 
@@ -569,12 +599,94 @@ impl Gateway {
         };
         let tokenizers = self.tokenizers.clone();
         let model = model.to_string();
-        tokio::task::spawn_blocking(move || {
+        let (ids, fresh_bytes) = tokio::task::spawn_blocking(move || {
             let _permit = permit;
-            tokenizers.ids(&model, &input)
+            let mut fresh_bytes = 0;
+            (
+                tokenizers.ids_counted(&model, &input, &mut fresh_bytes),
+                fresh_bytes,
+            )
         })
         .await
-        .unwrap_or(Err(crate::tokenize::Miss::Unknown))
+        .unwrap_or((Err(crate::tokenize::Miss::Unknown), 0));
+        self.metrics.tokenizer_new_bytes("request", fresh_bytes);
+        ids
+    }
+
+    /// What to keep of a chat request so that its answer can be warmed
+    /// ([`Gateway::warm_answer`]): only where its prompt was tokenized (an instance of the
+    /// model publishes trusted KV events, so the next turn will be tokenized too) and the
+    /// model's tokenizer has a piece cache and a chat template. The question is warmed along
+    /// with the answer only in a conversation that has gone on before (an assistant message
+    /// in it) or names its session (`x-session-id`), so one-off prompts do not pay to
+    /// tokenize text no next turn may send.
+    pub fn answer_warm(
+        &self,
+        target: &Target,
+        parsed: &ParsedRequest<'_>,
+        prompt: &PreparedPrompt,
+    ) -> Option<Arc<AnswerWarm>> {
+        let messages = parsed.messages.as_ref()?;
+        if prompt.token_ids().is_none() || !self.tokenizers.can_warm(&target.model) {
+            return None;
+        }
+        let with_question =
+            parsed.session_id.is_some() || messages.iter().any(|m| m.role == "assistant");
+        Some(Arc::new(AnswerWarm {
+            model: target.model.clone(),
+            messages: messages
+                .iter()
+                .map(|m| (m.role.to_string(), m.content.to_string()))
+                .collect(),
+            with_question,
+        }))
+    }
+
+    /// Tokenizes a finished chat answer (and, per [`AnswerWarm`], its question) into the
+    /// piece cache, off the answer's path: a short one as a task on the runtime, a long one on
+    /// the blocking pool when a tokenizing thread is free (else not at all: the next turn
+    /// then tokenizes it as before).
+    pub fn warm_answer(self: &Arc<Self>, warm: Arc<AnswerWarm>, answer: String) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let long = answer.len() + warm.question().len() >= TOKENIZE_ON_POOL_BYTES;
+        let permit = if long {
+            match self.tokenize_permits.clone().try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    self.metrics.tokenizer_warmup("busy");
+                    return;
+                }
+            }
+        } else {
+            None
+        };
+        let gw = self.clone();
+        let work = move || {
+            let _permit = permit;
+            let mut conversation: Vec<(&str, &str)> = warm
+                .messages
+                .iter()
+                .map(|(role, content)| (role.as_str(), content.as_str()))
+                .collect();
+            conversation.push(("assistant", answer.as_str()));
+            let parts = [answer.as_str(), warm.question()];
+            let input = crate::tokenize::Input::Chat(conversation);
+            match gw.tokenizers.warm(&warm.model, &input, &parts) {
+                Some(0) => gw.metrics.tokenizer_warmup("cached"),
+                Some(fresh) => {
+                    gw.metrics.tokenizer_warmup("warmed");
+                    gw.metrics.tokenizer_new_bytes("warmup", fresh);
+                }
+                None => gw.metrics.tokenizer_warmup("skipped"),
+            }
+        };
+        if long {
+            runtime.spawn_blocking(work);
+        } else {
+            runtime.spawn(async move { work() });
+        }
     }
 
     /// Seconds since the gateway started: the router's clock.

@@ -16,7 +16,7 @@ use switchyard_core::{Observation, RequestId, Usage};
 
 use crate::backends::{Backend, InFlightGuard};
 use crate::json::Scanner;
-use crate::state::Gateway;
+use crate::state::{AnswerWarm, Gateway};
 use crate::upstream::UpstreamBody;
 
 /// One request routed to one backend: reports `Failed` to the router when dropped before it
@@ -318,11 +318,82 @@ fn is_done_event(event: &[u8]) -> bool {
         })
 }
 
+/// Largest answer collected to warm the piece cache with (longer ones are not warmed).
+const ANSWER_LIMIT: usize = 1 << 20;
+
+/// A chat answer's text, collected as it passes (the first choice's), to warm the piece cache
+/// with ([`Gateway::warm_answer`]).
+#[derive(Debug, Default)]
+struct AnswerText {
+    text: String,
+    /// Not to be warmed: over [`ANSWER_LIMIT`], another choice than the first, or a chunk
+    /// that did not parse.
+    spoiled: bool,
+}
+
+/// The part of a chat completion (or chunk) that carries the answer's text.
+#[derive(Deserialize)]
+struct ChoicesJson<'a> {
+    #[serde(borrow, default)]
+    choices: Vec<ChoiceJson<'a>>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceJson<'a> {
+    #[serde(default)]
+    index: u32,
+    #[serde(borrow, default)]
+    delta: Option<ContentJson<'a>>,
+    #[serde(borrow, default)]
+    message: Option<ContentJson<'a>>,
+}
+
+#[derive(Deserialize)]
+struct ContentJson<'a> {
+    #[serde(borrow, default)]
+    content: Option<std::borrow::Cow<'a, str>>,
+}
+
+impl AnswerText {
+    /// Adds the text of one chat completion or chunk (`json`).
+    fn add(&mut self, json: &[u8]) {
+        if self.spoiled || !contains(json, b"\"content\"") {
+            return;
+        }
+        let Ok(parsed) = serde_json::from_slice::<ChoicesJson<'_>>(json) else {
+            self.spoiled = true;
+            return;
+        };
+        for choice in parsed.choices {
+            let content = choice
+                .delta
+                .or(choice.message)
+                .and_then(|c| c.content)
+                .unwrap_or_default();
+            if content.is_empty() {
+                continue;
+            }
+            if choice.index != 0 || self.text.len() + content.len() > ANSWER_LIMIT {
+                self.spoiled = true;
+                return;
+            }
+            self.text.push_str(&content);
+        }
+    }
+
+    /// The answer, when complete and whole.
+    fn take(&mut self) -> Option<String> {
+        (!self.spoiled && !self.text.is_empty()).then(|| std::mem::take(&mut self.text))
+    }
+}
+
 /// Watches an SSE stream for usage; optionally removes the usage-only chunk we asked for.
 #[derive(Debug, Default)]
 pub struct SseScanner {
     pending: BytesMut,
     strip_usage: bool,
+    /// The answer's text, when it is collected.
+    answer: Option<AnswerText>,
     /// The latest usage seen.
     pub usage: Option<Usage>,
     /// The `data: [DONE]` terminator was seen: the answer is complete, whatever the connection
@@ -341,6 +412,13 @@ impl SseScanner {
 
     /// Looks at one event; true when it is a usage-only chunk.
     fn inspect(&mut self, event: &[u8]) -> bool {
+        if let Some(answer) = self.answer.as_mut() {
+            if contains(event, b"\"content\"") {
+                if let Some(data) = event_data(event) {
+                    answer.add(&data);
+                }
+            }
+        }
         // llama.cpp without usage reports only `timings`; a later usage chunk, if any,
         // replaces what they gave.
         if !contains(event, b"\"usage\"") && !contains(event, b"\"timings\"") {
@@ -423,6 +501,8 @@ enum Scan {
     Json {
         buf: Vec<u8>,
         usage: Option<Usage>,
+        /// The answer's text, when it is collected.
+        answer: Option<AnswerText>,
     },
 }
 
@@ -435,6 +515,8 @@ struct Track {
     scan: Scan,
     /// Settled as finished (at `[DONE]` or the body's end): later ends are no-ops.
     ended: bool,
+    /// Warm the piece cache with the answer once it ends.
+    warm: Option<Arc<AnswerWarm>>,
 }
 
 impl Track {
@@ -451,6 +533,7 @@ impl Track {
             Scan::Json {
                 buf: Vec::new(),
                 usage: None,
+                answer: None,
             }
         };
         Track {
@@ -460,7 +543,17 @@ impl Track {
             predicted_cached,
             scan,
             ended: false,
+            warm: None,
         }
+    }
+
+    /// Collects the answer's text, to warm the piece cache with it at the end.
+    fn set_warm(&mut self, warm: Arc<AnswerWarm>) {
+        match &mut self.scan {
+            Scan::Sse(s) => s.answer = Some(AnswerText::default()),
+            Scan::Json { answer, .. } => *answer = Some(AnswerText::default()),
+        }
+        self.warm = Some(warm);
     }
 
     /// One data frame; `last`: the body ends with it.
@@ -480,10 +573,13 @@ impl Track {
         }
         match &mut self.scan {
             Scan::Sse(s) => s.feed(data),
-            Scan::Json { buf, usage } => {
+            Scan::Json { buf, usage, answer } => {
                 if last && buf.is_empty() && data.len() <= JSON_COPY_LIMIT {
                     // The whole body in one frame (the usual non-streamed answer): no copy.
                     *usage = read_usage(&data).map(|(u, _)| u);
+                    if let Some(answer) = answer.as_mut() {
+                        answer.add(&data);
+                    }
                 } else if buf.len() + data.len() <= JSON_COPY_LIMIT {
                     buf.extend_from_slice(&data);
                 }
@@ -502,19 +598,24 @@ impl Track {
             return Bytes::new();
         }
         self.ended = true;
-        let (rest, usage) = match &mut self.scan {
+        let (rest, usage, answer) = match &mut self.scan {
             Scan::Sse(s) => {
                 let rest = s.finish();
-                (rest, s.usage)
+                let answer = s.answer.as_mut().and_then(AnswerText::take);
+                (rest, s.usage, answer)
             }
-            Scan::Json { buf, usage } => (
-                Bytes::new(),
-                if buf.is_empty() {
-                    *usage
-                } else {
-                    read_usage(buf).map(|(u, _)| u)
-                },
-            ),
+            Scan::Json { buf, usage, answer } => {
+                if !buf.is_empty() {
+                    *usage = read_usage(buf).map(|(u, _)| u);
+                    if let Some(answer) = answer.as_mut() {
+                        if buf.len() < JSON_COPY_LIMIT {
+                            answer.add(buf);
+                        }
+                    }
+                }
+                let answer = answer.as_mut().and_then(AnswerText::take);
+                (Bytes::new(), *usage, answer)
+            }
         };
         let m = &self.guard.backend.metrics;
         m.e2e.observe(self.started.elapsed().as_secs_f64());
@@ -528,6 +629,9 @@ impl Track {
         }
         self.guard.backend.record_request_success();
         self.guard.finish(usage);
+        if let (Some(warm), Some(answer)) = (self.warm.take(), answer) {
+            self.guard.gw.warm_answer(warm, answer);
+        }
         rest
     }
 }
@@ -618,6 +722,15 @@ impl ObservedBody {
             _guard: None,
             done: false,
         }
+    }
+
+    /// Collects the answer's text and warms the piece cache with it when the body ends
+    /// ([`Gateway::answer_warm`]); nothing for `None` or an untracked body.
+    pub fn with_answer_warm(mut self, warm: Option<Arc<AnswerWarm>>) -> Self {
+        if let (Some(track), Some(warm)) = (self.track.as_mut(), warm) {
+            track.set_warm(warm);
+        }
+        self
     }
 
     /// An untracked body (an engine error passed through); the guard was settled already.
@@ -883,6 +996,64 @@ mod tests {
             }
             proptest::prop_assert_eq!(scanner.done, with_done);
         }
+    }
+
+    proptest::proptest! {
+        /// However a chat stream is cut into chunks, the first choice's text comes out whole,
+        /// and anything that makes it untrustworthy (another choice's text) gives none.
+        #[test]
+        fn any_split_of_a_chat_stream_collects_the_answer(
+            texts in proptest::collection::vec("[a-z \"\\\\\n{}é]{0,12}", 1..6),
+            second_choice in proptest::bool::ANY,
+            cuts in proptest::collection::vec(0usize..400, 0..12),
+        ) {
+            let mut stream = String::from(
+                "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null}}]}\n\n",
+            );
+            for t in &texts {
+                let json = serde_json::json!({"choices": [{"index": 0, "delta": {"content": t}}]});
+                stream.push_str(&format!("data: {json}\n\n"));
+            }
+            if second_choice {
+                let json = serde_json::json!({"choices": [{"index": 1, "delta": {"content": "x"}}]});
+                stream.push_str(&format!("data: {json}\n\n"));
+            }
+            stream.push_str(USAGE);
+            stream.push_str(DONE);
+            let bytes = stream.as_bytes();
+            let mut points: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+            points.sort_unstable();
+            let mut scanner = SseScanner::new(false);
+            scanner.answer = Some(AnswerText::default());
+            let mut from = 0;
+            for p in points.into_iter().chain([bytes.len()]) {
+                scanner.feed(Bytes::copy_from_slice(&bytes[from..p]));
+                from = p;
+            }
+            scanner.finish();
+            let answer = scanner.answer.as_mut().and_then(AnswerText::take);
+            let whole: String = texts.concat();
+            if second_choice || whole.is_empty() {
+                proptest::prop_assert_eq!(answer, None);
+            } else {
+                proptest::prop_assert_eq!(answer, Some(whole));
+            }
+        }
+    }
+
+    #[test]
+    fn a_json_answer_is_collected_from_its_message() {
+        let mut answer = AnswerText::default();
+        answer.add(br#"{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"a \"quoted\" answer"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3}}"#);
+        assert_eq!(answer.take().as_deref(), Some("a \"quoted\" answer"));
+        // No text (a tool call): nothing to warm.
+        let mut answer = AnswerText::default();
+        answer.add(br#"{"choices":[{"index":0,"message":{"content":null,"tool_calls":[]}}]}"#);
+        assert_eq!(answer.take(), None);
+        // A body that does not parse is not trusted.
+        let mut answer = AnswerText::default();
+        answer.add(br#"{"choices":[{"index":0,"message":{"content":"cut"#);
+        assert_eq!(answer.take(), None);
     }
 
     #[test]

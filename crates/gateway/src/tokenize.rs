@@ -271,9 +271,22 @@ impl Tokenizers {
     /// The token ids of `input` for `model` ([`Tokenizers::chat_token_ids`] for messages,
     /// [`Tokenizers::token_ids`] for a text), or why there are none.
     pub fn ids<S: AsRef<str>>(&self, model: &str, input: &Input<S>) -> Result<Vec<u32>, Miss> {
+        self.ids_counted(model, input, &mut 0)
+    }
+
+    /// As [`Tokenizers::ids`], adding to `fresh_bytes` the bytes of text tokenized anew (not
+    /// found in the piece cache).
+    pub fn ids_counted<S: AsRef<str>>(
+        &self,
+        model: &str,
+        input: &Input<S>,
+        fresh_bytes: &mut usize,
+    ) -> Result<Vec<u32>, Miss> {
         let loaded = self.by_model.get(model).ok_or(Miss::NoTokenizer)?;
         let (text, special) = loaded.text_of(input)?;
-        loaded.encode(&text, special).ok_or(Miss::Unknown)
+        loaded
+            .encode(&text, special, fresh_bytes)
+            .ok_or(Miss::Unknown)
     }
 
     /// As [`Tokenizers::ids`], but only as far as exact matching needs: `horizon` says, for
@@ -284,7 +297,8 @@ impl Tokenizers {
     /// ([`Needed::OverBudget`] beyond). `held_bytes` is where the router expects the held part
     /// of the text to end (its approximate index): the first cut of new text reaches it, so a
     /// held history is tokenized in one pass. Tokenizers without the piece cache are
-    /// tokenized whole, within the same budget.
+    /// tokenized whole, within the same budget. The bytes tokenized anew are added to
+    /// `fresh_bytes`.
     pub fn ids_as_needed<S: AsRef<str>>(
         &self,
         model: &str,
@@ -292,12 +306,54 @@ impl Tokenizers {
         horizon: &mut dyn FnMut(&[u32]) -> usize,
         held_bytes: usize,
         budget: usize,
+        fresh_bytes: &mut usize,
     ) -> Result<Needed, Miss> {
         let loaded = self.by_model.get(model).ok_or(Miss::NoTokenizer)?;
         let (text, special) = loaded.text_of(input)?;
         loaded
-            .encode_as_needed(&text, special, horizon, held_bytes, budget)
+            .encode_as_needed(&text, special, horizon, held_bytes, budget, fresh_bytes)
             .ok_or(Miss::Unknown)
+    }
+
+    /// Whether `model`'s chat prompts can be warmed ([`Tokenizers::warm`]): it has a chat
+    /// template and a piece cache that cuts prompts at added tokens (which every chat model's
+    /// tokenizer has; the emulator's has none).
+    pub fn can_warm(&self, model: &str) -> bool {
+        self.by_model.get(model).is_some_and(|l| {
+            l.chat.is_some() && l.pieces.as_ref().is_some_and(pieces::PieceTokenizer::cuts)
+        })
+    }
+
+    /// Tokenizes into the piece cache the pieces of `conversation` (chat messages, the last
+    /// usually the engine's answer) that hold the texts `parts` (message contents), so that
+    /// the conversation's next turn, which sends them again, finds them cached instead of
+    /// tokenizing them on its way. Each part is looked for in the rendered conversation from
+    /// the end, the next one before the previous one's place. Returns the bytes tokenized
+    /// anew; none when the model cannot be warmed, the template fails, or a part is not in the
+    /// rendering as written (a template that edits the content).
+    pub fn warm<S: AsRef<str>>(
+        &self,
+        model: &str,
+        conversation: &Input<S>,
+        parts: &[&str],
+    ) -> Option<usize> {
+        if !self.can_warm(model) {
+            return None;
+        }
+        let loaded = self.by_model.get(model)?;
+        let pieces = loaded.pieces.as_ref()?;
+        let Input::Chat(_) = conversation else {
+            return None;
+        };
+        let (text, _) = loaded.text_of(conversation).ok()?;
+        let mut before = text.len();
+        let mut ranges = Vec::with_capacity(parts.len());
+        for part in parts.iter().filter(|p| !p.is_empty()) {
+            let at = text[..before].rfind(part)?;
+            ranges.push(at..at + part.len());
+            before = at;
+        }
+        pieces.warm(&loaded.tokenizer, &text, &ranges)
     }
 
     /// Whether `model` has a chat template (for the startup log).
@@ -328,10 +384,13 @@ impl Loaded {
         }
     }
 
-    fn encode(&self, text: &str, special: bool) -> Option<Vec<u32>> {
+    fn encode(&self, text: &str, special: bool, fresh_bytes: &mut usize) -> Option<Vec<u32>> {
         let ids = match &self.pieces {
-            Some(pieces) => pieces.encode(&self.tokenizer, text, special)?,
-            None => pieces::whole(&self.tokenizer, text, special)?,
+            Some(pieces) => pieces.encode_counted(&self.tokenizer, text, special, fresh_bytes)?,
+            None => {
+                *fresh_bytes += text.len();
+                pieces::whole(&self.tokenizer, text, special)?
+            }
         };
         if ids.is_empty() || ids.iter().any(|id| self.unknown.contains(id)) {
             return None;
@@ -339,6 +398,7 @@ impl Loaded {
         Some(ids)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn encode_as_needed(
         &self,
         text: &str,
@@ -346,6 +406,7 @@ impl Loaded {
         horizon: &mut dyn FnMut(&[u32]) -> usize,
         held_bytes: usize,
         budget: usize,
+        fresh_bytes: &mut usize,
     ) -> Option<Needed> {
         let needed = match &self.pieces {
             Some(pieces) => pieces.encode_as_needed(
@@ -355,9 +416,13 @@ impl Loaded {
                 horizon,
                 held_bytes,
                 budget,
+                fresh_bytes,
             )?,
             None if text.len() > budget => Needed::OverBudget,
-            None => Needed::Whole(pieces::whole(&self.tokenizer, text, special)?),
+            None => {
+                *fresh_bytes += text.len();
+                Needed::Whole(pieces::whole(&self.tokenizer, text, special)?)
+            }
         };
         let ids = match &needed {
             Needed::Whole(ids) if ids.is_empty() => return None,
@@ -406,12 +471,19 @@ fn load_one(model: &str, path: &Path, cache_bytes: usize) -> Result<Loaded, Toke
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use switchyard_engine::tokenizer::{encode, vocabulary};
+    use switchyard_engine::tokenizer::vocabulary;
 
     fn emulators() -> Tokenizers {
+        emulators_with(false)
+    }
+
+    /// The tokenizer `switchyard engine --write-tokenizer` writes, with `--special-tokens`
+    /// when `special`.
+    fn emulators_with(special: bool) -> Tokenizers {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tokenizer.json");
-        std::fs::write(&path, switchyard_emulator::tokenizer_json::tokenizer_json()).unwrap();
+        let json = switchyard_emulator::tokenizer_json::tokenizer_json_for(special);
+        std::fs::write(&path, json).unwrap();
         std::fs::write(
             dir.path().join("tokenizer_config.json"),
             switchyard_emulator::tokenizer_json::tokenizer_config_json(),
@@ -439,7 +511,8 @@ mod tests {
             turns in proptest::collection::vec(
                 (0usize..5, proptest::collection::vec(0usize..64, 0..40)),
                 1..6,
-            )
+            ),
+            special in any::<bool>(),
         ) {
             let vocab: Vec<&str> = vocabulary().map(|(w, _)| w).collect();
             let roles = switchyard_emulator::tokenizer_json::CHAT_ROLES;
@@ -451,17 +524,93 @@ mod tests {
                 messages.iter().map(|(r, c)| (*r, c.as_str())).collect();
             let rendered =
                 switchyard_emulator::chat_template::render(&emulator_messages(&messages));
-            let t = emulators();
-            prop_assert_eq!(t.chat_token_ids("m", &pairs), Some(encode(&rendered)));
+            let t = emulators_with(special);
+            prop_assert_eq!(t.can_warm("m"), special);
+            let ids = switchyard_emulator::chat_template::encode(&rendered, special);
+            prop_assert_eq!(t.chat_token_ids("m", &pairs), Some(ids));
         }
 
         #[test]
-        fn the_emulators_tokenizer_json_gives_the_emulators_ids(words in proptest::collection::vec(0usize..64, 1..200)) {
+        fn the_emulators_tokenizer_json_gives_the_emulators_ids(
+            words in proptest::collection::vec(0usize..70, 1..200),
+            special in any::<bool>(),
+        ) {
             let vocab: Vec<&str> = vocabulary().map(|(w, _)| w).collect();
-            let text: String = words.iter().map(|&i| vocab[i]).collect();
-            let t = emulators();
-            prop_assert_eq!(t.token_ids("m", &text), Some(encode(&text)));
+            let markers = switchyard_emulator::chat_template::SPECIAL_TOKENS;
+            // Words, and with special tokens markers among them (a text prompt cut at them).
+            let text: String = words
+                .iter()
+                .map(|&i| if i < 64 { vocab[i] } else { markers[i - 64] })
+                .filter(|w| special || !w.starts_with("<|"))
+                .collect();
+            prop_assume!(!text.is_empty());
+            let t = emulators_with(special);
+            let ids = switchyard_emulator::chat_template::encode(&text, special);
+            prop_assert_eq!(t.token_ids("m", &text), Some(ids));
         }
+    }
+
+    #[test]
+    fn a_warmed_answer_leaves_the_next_turn_only_its_new_text_to_tokenize() {
+        let vocab: Vec<&str> = vocabulary().map(|(w, _)| w).collect();
+        let words = |seed: usize, n: usize| -> String {
+            (0..n)
+                .map(|i| vocab[(seed * 31 + i * 7) % vocab.len()])
+                .collect()
+        };
+        let (system, question, answer, next) =
+            (words(1, 40), words(2, 300), words(3, 200), words(4, 20));
+        let turn = vec![("system", system.as_str()), ("user", question.as_str())];
+        let mut answered = turn.clone();
+        answered.push(("assistant", answer.as_str()));
+        let mut next_turn = answered.clone();
+        next_turn.push(("user", next.as_str()));
+        assert!(
+            !emulators().can_warm("m"),
+            "no added tokens: one piece a prompt"
+        );
+        for warmed in [false, true] {
+            let t = emulators_with(true);
+            assert!(t.can_warm("m"));
+            // The first turn, new to every instance: tokenized for its first block only.
+            let needed = t
+                .ids_as_needed(
+                    "m",
+                    &Input::Chat(turn.clone()),
+                    &mut |_| 16,
+                    0,
+                    usize::MAX,
+                    &mut 0,
+                )
+                .unwrap();
+            assert!(matches!(needed, Needed::Prefix(..)), "{needed:?}");
+            if warmed {
+                let parts = [answer.as_str(), question.as_str()];
+                let fresh = t.warm("m", &Input::Chat(answered.clone()), &parts).unwrap();
+                assert!(fresh >= answer.len() + question.len(), "{fresh}");
+                assert_eq!(t.warm("m", &Input::Chat(answered.clone()), &parts), Some(0));
+            }
+            // The next turn, every id of it held but the new question's.
+            let mut fresh = 0;
+            let input = Input::Chat(next_turn.clone());
+            let needed = t
+                .ids_as_needed("m", &input, &mut |_| usize::MAX, 0, usize::MAX, &mut fresh)
+                .unwrap();
+            let whole = emulators_with(true).ids("m", &input).unwrap();
+            assert_eq!(needed, Needed::Whole(whole));
+            if warmed {
+                assert!(fresh <= system.len() + next.len() + 64, "{fresh}");
+            } else {
+                assert!(fresh >= question.len() + answer.len(), "{fresh}");
+            }
+        }
+        // A part the rendering does not hold as written is not guessed at.
+        let t = emulators_with(true);
+        assert_eq!(t.warm("m", &Input::Chat(answered), &["not in it"]), None);
+        assert_eq!(
+            emulators().warm("m", &Input::Chat(turn), &[question.as_str()]),
+            None
+        );
     }
 
     #[test]

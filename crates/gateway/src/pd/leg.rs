@@ -117,6 +117,8 @@ impl Leg {
             explain: None,
             // The body was rewritten before the legs were built.
             upstream_model: None,
+            // Disaggregated answers are not warmed.
+            warm: None,
         };
         // One candidate: `attempt` handles the stale pooled connection, counts a failed
         // connection (metrics, health) and returns any answer as it is.

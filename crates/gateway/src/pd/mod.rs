@@ -168,6 +168,7 @@ fn decode_candidates(gw: &Gateway, prefill: &Routed) -> Routed {
         prompt_tokens: prefill.prompt_tokens,
         explain: prefill.explain.clone(),
         upstream_model: None,
+        warm: None,
     }
 }
 

@@ -163,7 +163,8 @@ impl PieceTokenizer {
             .iter()
             .all(|text| {
                 [false, true].iter().all(|&special| {
-                    self.encode(tokenizer, text, special) == whole(tokenizer, text, special)
+                    self.encode_counted(tokenizer, text, special, &mut 0)
+                        == whole(tokenizer, text, special)
                 })
             })
         })
@@ -171,27 +172,78 @@ impl PieceTokenizer {
 
     /// The ids `tokenizer` gives `text` (with the post-processor's special tokens when
     /// `special`); none when the tokenizer fails or this cannot reproduce it.
+    #[cfg(test)]
     pub(super) fn encode(
         &self,
         tokenizer: &tokenizers::Tokenizer,
         text: &str,
         special: bool,
     ) -> Option<Vec<u32>> {
+        self.encode_counted(tokenizer, text, special, &mut 0)
+    }
+
+    /// As [`PieceTokenizer::encode`], adding to `fresh` the bytes of text not found in the
+    /// cache (tokenized anew).
+    pub(super) fn encode_counted(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        text: &str,
+        special: bool,
+        fresh: &mut usize,
+    ) -> Option<Vec<u32>> {
         let (prefix, suffix) = match (special, &self.wrap) {
             (false, _) => (&[][..], &[][..]),
             (true, Some((prefix, suffix))) => (&prefix[..], &suffix[..]),
-            (true, None) => return whole(tokenizer, text, true),
+            (true, None) => {
+                *fresh += text.len();
+                return whole(tokenizer, text, true);
+            }
         };
         let mut ids = prefix.to_vec();
         let mut start = 0;
         for found in self.added.iter().flat_map(|added| added.find_iter(text)) {
-            self.encode_piece(tokenizer, &text[start..found.start()], &mut ids)?;
+            *fresh += self.encode_piece(tokenizer, &text[start..found.start()], &mut ids)?;
             ids.push(self.added_ids[found.pattern().as_usize()]);
             start = found.end();
         }
-        self.encode_piece(tokenizer, &text[start..], &mut ids)?;
+        *fresh += self.encode_piece(tokenizer, &text[start..], &mut ids)?;
         ids.extend_from_slice(suffix);
         Some(ids)
+    }
+
+    /// Whether prompts are cut into pieces at all (the tokenizer has added tokens): without,
+    /// a prompt is one piece, and only the very same prompt finds it cached.
+    pub(super) fn cuts(&self) -> bool {
+        self.added.is_some()
+    }
+
+    /// Tokenizes and caches the pieces of `text` (a text without the post-processor's special
+    /// tokens, as a chat template renders it) that overlap any of the byte ranges `parts`, so
+    /// that a later prompt with those pieces finds them cached; the other pieces are not
+    /// looked at, nor is the last (no added token ends it, so a longer text would not have
+    /// it). Returns the bytes tokenized anew.
+    pub(super) fn warm(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        text: &str,
+        parts: &[std::ops::Range<usize>],
+    ) -> Option<usize> {
+        let mut fresh = 0;
+        let mut scratch = Vec::new();
+        let mut start = 0;
+        let cuts = self
+            .added
+            .iter()
+            .flat_map(|added| added.find_iter(text))
+            .map(|found| (found.start(), found.end()));
+        for (end, next) in cuts {
+            if start < end && parts.iter().any(|p| p.start < end && start < p.end) {
+                fresh += self.encode_piece(tokenizer, &text[start..end], &mut scratch)?;
+                scratch.clear();
+            }
+            start = next;
+        }
+        Some(fresh)
     }
 
     /// As [`PieceTokenizer::encode`], but only as far as exact matching needs: `horizon`
@@ -200,7 +252,9 @@ impl PieceTokenizer {
     /// text). Pieces seen before cost nothing and are always taken; a new piece is tokenized
     /// in growing cuts while the horizon lies inside it, the first reaching `held_bytes` of the
     /// text (where the router expects the held part to end). More than `budget` bytes of new
-    /// text gives [`Needed::OverBudget`].
+    /// text gives [`Needed::OverBudget`]. The bytes tokenized anew (cuts re-tokenized
+    /// included) are added to `fresh_bytes`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn encode_as_needed(
         &self,
         tokenizer: &tokenizers::Tokenizer,
@@ -209,12 +263,14 @@ impl PieceTokenizer {
         horizon: &mut dyn FnMut(&[u32]) -> usize,
         held_bytes: usize,
         budget: usize,
+        fresh_bytes: &mut usize,
     ) -> Option<Needed> {
         let (prefix, suffix) = match (special, &self.wrap) {
             (false, _) => (&[][..], &[][..]),
             (true, Some((prefix, suffix))) => (&prefix[..], &suffix[..]),
             (true, None) if text.len() <= budget => {
-                return whole(tokenizer, text, true).map(Needed::Whole)
+                *fresh_bytes += text.len();
+                return whole(tokenizer, text, true).map(Needed::Whole);
             }
             (true, None) => return Some(Needed::OverBudget),
         };
@@ -223,7 +279,7 @@ impl PieceTokenizer {
         if need == 0 {
             return Some(Needed::Prefix(Vec::new(), text.len()));
         }
-        let mut fresh_bytes = 0;
+        let budget = budget.saturating_add(*fresh_bytes);
         let mut start = 0;
         let cuts = self
             .added
@@ -253,7 +309,7 @@ impl PieceTokenizer {
                     let mut fresh = Fresh {
                         ids: &mut ids,
                         need: &mut need,
-                        fresh_bytes: &mut fresh_bytes,
+                        fresh_bytes: &mut *fresh_bytes,
                         held_bytes: held_bytes.saturating_sub(start),
                         budget,
                     };
@@ -275,23 +331,29 @@ impl PieceTokenizer {
         Some(Needed::Whole(ids))
     }
 
-    /// Appends the ids of `piece`, a text without added tokens, to `ids`.
+    /// Appends the ids of `piece`, a text without added tokens, to `ids`; returns the bytes
+    /// tokenized anew (0 when the piece was cached).
     fn encode_piece(
         &self,
         tokenizer: &tokenizers::Tokenizer,
         piece: &str,
         ids: &mut Vec<u32>,
-    ) -> Option<()> {
+    ) -> Option<usize> {
         if piece.is_empty() {
-            return Some(());
+            return Some(0);
         }
         let hash = xxhash_rust::xxh3::xxh3_64(piece.as_bytes());
         let cached = self.lock().get(hash, piece);
         match cached {
-            Some(found) => ids.extend_from_slice(&found),
-            None => self.encode_piece_fresh(tokenizer, piece, hash, ids)?,
+            Some(found) => {
+                ids.extend_from_slice(&found);
+                Some(0)
+            }
+            None => {
+                self.encode_piece_fresh(tokenizer, piece, hash, ids)?;
+                Some(piece.len())
+            }
         }
-        Some(())
     }
 
     /// Tokenizes `piece` (not in the cache; `hash` its text's), caches its ids and appends
@@ -661,7 +723,7 @@ mod tests {
             let held = (whole_ids.len() as f64 * held_share) as usize;
             let mut horizon = horizon_of(&whole_ids, held, block);
             let needed = pieces
-                .encode_as_needed(&t, &text, special, &mut horizon, hint, usize::MAX)
+                .encode_as_needed(&t, &text, special, &mut horizon, hint, usize::MAX, &mut 0)
                 .unwrap();
             drop(horizon);
             let reach = ((held.min(whole_ids.len()) / block + 1) * block).min(whole_ids.len());
@@ -689,7 +751,7 @@ mod tests {
             16
         };
         let needed = pieces
-            .encode_as_needed(&t, &text, false, &mut nothing_held, 0, usize::MAX)
+            .encode_as_needed(&t, &text, false, &mut nothing_held, 0, usize::MAX, &mut 0)
             .unwrap();
         let Needed::Prefix(ids, rest) = needed else {
             panic!("{needed:?}")
@@ -701,12 +763,12 @@ mod tests {
         assert_eq!(pieces.cached_bytes(), 0, "a cut piece is not cached");
         // Nothing matched exactly: nothing tokenized.
         let needed = pieces
-            .encode_as_needed(&t, &text, false, &mut |_| 0, 0, usize::MAX)
+            .encode_as_needed(&t, &text, false, &mut |_| 0, 0, usize::MAX, &mut 0)
             .unwrap();
         assert_eq!(needed, Needed::Prefix(Vec::new(), text.len()));
         // A budget smaller than the new text the horizon asks for.
         let needed = pieces
-            .encode_as_needed(&t, &text, false, &mut |_| usize::MAX, 0, 4096)
+            .encode_as_needed(&t, &text, false, &mut |_| usize::MAX, 0, 4096, &mut 0)
             .unwrap();
         assert_eq!(needed, Needed::OverBudget);
     }
