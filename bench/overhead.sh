@@ -29,13 +29,18 @@
 # events and gives switchyard (and the baseline) the emulators' tokenizer.json and each
 # backend's event stream, so chat prompts are tokenized for exact matching; UNIQUE=1 starts
 # every prompt with its request number (spelled in the prompt's words), so no two share a
-# prefix and every prompt is new to the tokenizer's piece cache. Everything stops by itself and
+# prefix and every prompt is new to the tokenizer's piece cache. SPECIAL_TOKENS=1 starts the
+# emulators with --special-tokens (their chat markers are special tokens, as a chat model's
+# are, and the tokenizer written for switchyard has them: prompts are cut into pieces there).
+# CONVERSATIONS=1 sends two-turn conversations (the generator's --conversations: every other
+# request is the next turn, with the engine's answer, of a conversation opened 50 ms before,
+# both turns naming it in x-session-id) and measures only the next turns. Everything stops by itself and
 # every process and temp file is removed on exit, failure or Ctrl-C.
 #
 # Usage: bash bench/overhead.sh
 # Knobs (environment): RATES DURATION WARMUP REPEATS IDLE SEARCH SEARCH_START SEARCH_MAX
 #   SEARCH_DURATION SEARCH_WARMUP SEARCH_TRIES P99_LIMIT_US PIN STREAM WORDS MAX_TOKENS QUIET_WAIT
-#   BASELINE TOKENIZER UNIQUE
+#   BASELINE TOKENIZER UNIQUE SPECIAL_TOKENS CONVERSATIONS
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -60,6 +65,8 @@ QUIET_WAIT=${QUIET_WAIT:-120}
 BASELINE=${BASELINE:-}
 TOKENIZER=${TOKENIZER:-0}
 UNIQUE=${UNIQUE:-0}
+SPECIAL_TOKENS=${SPECIAL_TOKENS:-0}
+CONVERSATIONS=${CONVERSATIONS:-0}
 MODEL=m
 
 case $PIN in
@@ -166,9 +173,10 @@ wait_quiet() {
 log "starting 2 instant emulators, switchyard serve and nginx (PIN=$PIN)..."
 EMU_KV=()
 E1_EXTRA=()
+[[ $SPECIAL_TOKENS == 1 ]] && EMU_KV=(--special-tokens)
 if [[ $TOKENIZER == 1 ]]; then
     mkdir -p "$TMP/tokenizer"
-    EMU_KV=(--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-bind)
+    EMU_KV+=(--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-bind)
     E1_EXTRA=(--write-tokenizer "$TMP/tokenizer/tokenizer.json")
 fi
 start_on e1 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 1 "${EMU_KV[@]}" \
@@ -191,7 +199,8 @@ if [[ $TOKENIZER == 1 ]]; then
         --tokenizer "$MODEL=$TMP/tokenizer/tokenizer.json")
 fi
 GEN_EXTRA=()
-[[ $UNIQUE == 1 ]] && GEN_EXTRA=(--unique)
+[[ $UNIQUE == 1 ]] && GEN_EXTRA+=(--unique)
+[[ $CONVERSATIONS == 1 ]] && GEN_EXTRA+=(--conversations)
 
 start_on switchyard "$SUT_CPU" "$SY" serve --listen 127.0.0.1:0 --policy cost "${SW_THREADS[@]}" \
     "${SW_BACKENDS[@]}"

@@ -109,6 +109,10 @@ pub struct FleetArgs {
     /// messages are not tokenized again); 0 keeps none.
     #[arg(long, default_value = "64", value_name = "MIB")]
     pub tokenizer_cache_mib: usize,
+    /// Do not tokenize chat answers into the piece cache as they end (the next turn then
+    /// tokenizes them on its way); saves the CPU spent on conversations that never go on.
+    #[arg(long)]
+    pub no_answer_warmup: bool,
     /// Seconds in-flight responses may take to finish after SIGINT/SIGTERM, or a removed
     /// backend to drain.
     #[arg(long, default_value = "30", value_parser = parse_secs)]
@@ -253,6 +257,7 @@ impl FleetArgs {
                     )
                 },
             )?,
+            answer_warmup: !self.no_answer_warmup,
             queue_size: self.queue_size,
             queue_timeout: self.queue_timeout,
             drain_timeout: self.drain_timeout,

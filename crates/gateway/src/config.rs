@@ -90,6 +90,8 @@ pub struct Settings {
     pub tokenizers: BTreeMap<String, PathBuf>,
     /// Bytes of tokenized prompt pieces each tokenizer keeps (`--tokenizer-cache-mib`).
     pub tokenizer_cache_bytes: usize,
+    /// Tokenize chat answers into the piece cache as they end (off: `--no-answer-warmup`).
+    pub answer_warmup: bool,
     /// Other replicas in front of the same fleet (`--peer URL`): decisions and outcomes are
     /// shared with them (the `peers` module).
     pub peers: Vec<http::Uri>,
@@ -193,6 +195,7 @@ impl Default for Settings {
             kv_events_probation: Duration::from_secs(5),
             tokenizers: BTreeMap::new(),
             tokenizer_cache_bytes: crate::tokenize::DEFAULT_CACHE_BYTES,
+            answer_warmup: true,
             peers: Vec::new(),
             peer_discovery: false,
             peer_dns: None,

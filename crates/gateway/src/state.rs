@@ -627,7 +627,10 @@ impl Gateway {
         prompt: &PreparedPrompt,
     ) -> Option<Arc<AnswerWarm>> {
         let messages = parsed.messages.as_ref()?;
-        if prompt.token_ids().is_none() || !self.tokenizers.can_warm(&target.model) {
+        if !self.settings.answer_warmup
+            || prompt.token_ids().is_none()
+            || !self.tokenizers.can_warm(&target.model)
+        {
             return None;
         }
         let with_question =

@@ -11,8 +11,8 @@
 //! ```text
 //! cargo run --release -p switchyard-loadgen --example overhead -- \
 //!     --url http://127.0.0.1:8080 --rate 2000 --duration 10 --warmup 2 [--label NAME] \
-//!     [--model M] [--words 2048] [--max-tokens 4] [--stream] [--unique] [--max-in-flight 256] \
-//!     [--spin]
+//!     [--model M] [--words 2048] [--max-tokens 4] [--stream] [--unique] [--conversations] \
+//!     [--max-in-flight 256] [--spin]
 //! ```
 //!
 //! The last line is machine-readable:
@@ -22,8 +22,8 @@ use switchyard_loadgen::fixed::{self, FixedOptions};
 use switchyard_loadgen::{LoadgenError, PaceMode};
 
 const USAGE: &str = "usage: overhead --url URL [--rate R] [--duration S] [--warmup S] [--label L] \
-[--model M] [--words N] [--max-tokens N] [--stream] [--unique] [--max-in-flight N] [--drain S] \
-[--spin] [--deciles]";
+[--model M] [--words N] [--max-tokens N] [--stream] [--unique] [--conversations] \
+[--max-in-flight N] [--drain S] [--spin] [--deciles]";
 
 /// The options, and whether to print the deciles.
 fn opts() -> Result<(FixedOptions, bool), String> {
@@ -46,6 +46,7 @@ fn opts() -> Result<(FixedOptions, bool), String> {
             "--drain" => o.drain_s = num(value(&a)?)?,
             "--stream" => o.stream = true,
             "--unique" => o.unique = true,
+            "--conversations" => o.conversations = true,
             "--spin" => o.pace = PaceMode::Spin,
             "--deciles" => deciles = true,
             "-h" | "--help" => return Err(USAGE.into()),

@@ -39,6 +39,8 @@ use crate::client::{error_chain, http_client, BaseUrl, HttpClient};
 use crate::error::{LoadgenError, Result};
 use crate::pace::{PaceMode, Pacer, STALL};
 use crate::stats::LatencyHist;
+pub use crate::words::prompt;
+use crate::words::spelled;
 
 /// Lead time before the first send, so it is not late by the set-up.
 const LEAD: Duration = Duration::from_millis(20);
@@ -70,6 +72,9 @@ pub struct FixedOptions {
     pub stream: bool,
     /// Start each prompt with the request's number, so no two share a prefix.
     pub unique: bool,
+    /// Two-turn conversations ([`crate::turns`]): every other request is the next turn of a
+    /// conversation opened shortly before, and only those are measured.
+    pub conversations: bool,
     /// Most requests outstanding at once (later ones wait for a slot).
     pub max_in_flight: usize,
     /// Seconds after the last request was due that unfinished ones are counted as timed out.
@@ -95,6 +100,7 @@ impl Default for FixedOptions {
             max_tokens: 4,
             stream: false,
             unique: false,
+            conversations: false,
             max_in_flight: 256,
             drain_s: 5.0,
             pace: PaceMode::Timer,
@@ -153,29 +159,6 @@ impl FixedOptions {
     }
 }
 
-/// Three-letter words plus a space: four bytes, one emulator token each.
-const WORDS: [&str; 16] = [
-    "the ", "and ", "for ", "you ", "are ", "was ", "but ", "not ", "all ", "can ", "had ", "her ",
-    "one ", "our ", "out ", "day ",
-];
-
-/// `n` in base 16, eight digits, lowest first, one word a digit: prompts numbered apart differ
-/// from their first word.
-fn spelled(n: u64) -> String {
-    (0..8)
-        .map(|digit| WORDS[(n >> (4 * digit)) as usize % WORDS.len()])
-        .collect()
-}
-
-/// The user message: `words` four-byte words in a fixed order that does not repeat one block.
-pub fn prompt(words: usize) -> String {
-    let mut s = String::with_capacity(words * 4);
-    for i in 0..words {
-        s.push_str(WORDS[(i * 7 + i / 16) % WORDS.len()]);
-    }
-    s
-}
-
 /// What the preflight request showed.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Preflight {
@@ -231,6 +214,9 @@ pub struct FixedReport {
     pub stalled: Duration,
     /// CPU seconds (user + system) the whole process had used at the end.
     pub cpu_s: f64,
+    /// Conversation runs: measured next turns sent as new conversations, their first turn
+    /// unanswered by then.
+    pub without_answer: u64,
 }
 
 impl FixedReport {
@@ -278,6 +264,13 @@ impl FixedReport {
         );
         if let Some(e) = &self.first_error {
             let _ = writeln!(out, "  first error: {e}");
+        }
+        if self.without_answer > 0 {
+            let _ = writeln!(
+                out,
+                "  next turns sent as new conversations (no answer to their first turn yet): {}",
+                self.without_answer
+            );
         }
         let _ = writeln!(
             out,
@@ -393,9 +386,14 @@ async fn exchange(
     client: &HttpClient,
     uri: &hyper::Uri,
     body: Bytes,
+    session: Option<&str>,
 ) -> std::result::Result<Bytes, String> {
-    let req = hyper::Request::post(uri.clone())
-        .header(http::header::CONTENT_TYPE, "application/json")
+    let mut req =
+        hyper::Request::post(uri.clone()).header(http::header::CONTENT_TYPE, "application/json");
+    if let Some(session) = session {
+        req = req.header("x-session-id", session);
+    }
+    let req = req
         .body(Full::new(body))
         .map_err(|e| format!("building the request: {e}"))?;
     let response = client.request(req).await.map_err(|e| error_chain(&e))?;
@@ -451,7 +449,7 @@ pub async fn run(options: &FixedOptions) -> Result<FixedReport> {
 
     let answer = tokio::time::timeout(
         options.preflight_timeout,
-        exchange(&client, &uri, fixed.clone()),
+        exchange(&client, &uri, fixed.clone(), None),
     )
     .await
     .map_err(|_| {
@@ -478,18 +476,31 @@ pub async fn run(options: &FixedOptions) -> Result<FixedReport> {
     let start = Instant::now() + LEAD;
     let due_at = |i: u64| start + Duration::from_nanos((i as f64 * period_ns) as u64);
     let measure_from = due_at(warm);
+    let turns = options
+        .conversations
+        .then(|| Arc::new(crate::turns::Turns::new(options.rate)));
     let mut tasks = JoinSet::new();
     let mut sent = 0u64;
     for i in 0..total {
         let due = due_at(i);
         pacer.sleep_until(due).await.map_err(LoadgenError::Pacer)?;
-        let is_measured = i >= warm;
-        sent += u64::from(is_measured);
-        let body = if options.unique {
-            options.body(&text, Some(i))?
-        } else {
-            fixed.clone()
+        let (body, session, first_turn) = match &turns {
+            Some(turns) => {
+                let turn =
+                    turns.request(&options.model, options.max_tokens, options.stream, &text, i)?;
+                (
+                    turn.body,
+                    Some(turn.session),
+                    (!turn.next).then(|| turns.clone()),
+                )
+            }
+            None if options.unique => (options.body(&text, Some(i))?, None, None),
+            None => (fixed.clone(), None, None),
         };
+        // In a conversation run only next turns are measured.
+        let is_measured = i >= warm && (turns.is_none() || i % 2 == 1);
+        sent += u64::from(is_measured);
+        let stream = options.stream;
         let (client, uri, measured, slots) =
             (client.clone(), uri.clone(), measured.clone(), slots.clone());
         tasks.spawn(async move {
@@ -498,9 +509,12 @@ pub async fn run(options: &FixedOptions) -> Result<FixedReport> {
                 return;
             };
             let sent_at = Instant::now();
-            let result = exchange(&client, &uri, body).await;
+            let result = exchange(&client, &uri, body, session.as_deref()).await;
             let done = Instant::now();
             drop(permit);
+            if let (Some(turns), Ok(answer)) = (&first_turn, &result) {
+                turns.answered(i, answer, stream);
+            }
             if !is_measured {
                 return;
             }
@@ -558,6 +572,9 @@ pub async fn run(options: &FixedOptions) -> Result<FixedReport> {
         stalls,
         stalled,
         cpu_s: cpu_seconds(),
+        without_answer: turns.map_or(0, |t| {
+            t.without_answer.load(std::sync::atomic::Ordering::Relaxed)
+        }),
     })
 }
 

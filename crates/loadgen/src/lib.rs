@@ -18,6 +18,8 @@
 //! - [`pace`]: precise absolute-deadline sleeps (timerfd or busy-poll) keeping a schedule.
 //! - [`fixed`]: one fixed request at a constant rate, latency to the complete body (the
 //!   gateway overhead benchmark's generator, `examples/overhead.rs`).
+//! - [`turns`]: two-turn conversations for it (the cost of a conversation's next turn).
+//! - [`words`]: the prompt text both send.
 //! - [`report`]: the run's summary as JSON and Markdown.
 
 #![warn(missing_docs)]
@@ -31,6 +33,8 @@ pub mod report;
 pub mod run;
 pub mod sse;
 pub mod stats;
+pub mod turns;
+pub mod words;
 
 pub use error::{LoadgenError, Result};
 pub use fixed::{FixedOptions, FixedReport};
