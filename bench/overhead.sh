@@ -34,13 +34,17 @@
 # are, and the tokenizer written for switchyard has them: prompts are cut into pieces there).
 # CONVERSATIONS=1 sends two-turn conversations (the generator's --conversations: every other
 # request is the next turn, with the engine's answer, of a conversation opened 50 ms before,
-# both turns naming it in x-session-id) and measures only the next turns. Everything stops by itself and
+# both turns naming it in x-session-id) and measures only the next turns. ENGINE_SPEED=N runs
+# the emulators' engine model N times faster than real time instead of --instant, which answers
+# without it: then the engines hold prompts in their KV cache (and publish it with TOKENIZER=1),
+# so a conversation's next turn is matched, and tokenized, as far as its history is held.
+# Everything stops by itself and
 # every process and temp file is removed on exit, failure or Ctrl-C.
 #
 # Usage: bash bench/overhead.sh
 # Knobs (environment): RATES DURATION WARMUP REPEATS IDLE SEARCH SEARCH_START SEARCH_MAX
 #   SEARCH_DURATION SEARCH_WARMUP SEARCH_TRIES P99_LIMIT_US PIN STREAM WORDS MAX_TOKENS QUIET_WAIT
-#   BASELINE TOKENIZER UNIQUE SPECIAL_TOKENS CONVERSATIONS
+#   BASELINE TOKENIZER UNIQUE SPECIAL_TOKENS CONVERSATIONS ENGINE_SPEED
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -66,6 +70,9 @@ BASELINE=${BASELINE:-}
 TOKENIZER=${TOKENIZER:-0}
 UNIQUE=${UNIQUE:-0}
 SPECIAL_TOKENS=${SPECIAL_TOKENS:-0}
+ENGINE_SPEED=${ENGINE_SPEED:-}
+ENGINE_MODE=(--instant)
+[[ -n $ENGINE_SPEED ]] && ENGINE_MODE=(--speed "$ENGINE_SPEED")
 CONVERSATIONS=${CONVERSATIONS:-0}
 MODEL=m
 
@@ -179,10 +186,10 @@ if [[ $TOKENIZER == 1 ]]; then
     EMU_KV+=(--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-bind)
     E1_EXTRA=(--write-tokenizer "$TMP/tokenizer/tokenizer.json")
 fi
-start_on e1 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 1 "${EMU_KV[@]}" \
+start_on e1 "$SUT_CPU" "$SY" engine "${ENGINE_MODE[@]}" --port 0 --model "$MODEL" --seed 1 "${EMU_KV[@]}" \
     "${E1_EXTRA[@]}"
 E1_PID=$LAST_PID
-start_on e2 "$SUT_CPU" "$SY" engine --instant --port 0 --model "$MODEL" --seed 2 "${EMU_KV[@]}"
+start_on e2 "$SUT_CPU" "$SY" engine "${ENGINE_MODE[@]}" --port 0 --model "$MODEL" --seed 2 "${EMU_KV[@]}"
 E2_PID=$LAST_PID
 E1=$(address e1 "$E1_PID")
 E2=$(address e2 "$E2_PID")

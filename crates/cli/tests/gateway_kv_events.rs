@@ -923,3 +923,83 @@ async fn a_chat_answer_is_tokenized_for_the_next_turn_as_it_ends() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completions_conversation_is_tokenized_from_where_its_last_turn_ended() {
+    // A conversation sent as one growing text (`/v1/completions`): one piece, never the same
+    // twice, so the piece cache cannot help; the text's kept tokens can.
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = dir.path().join("tokenizer.json");
+    let tokenizer = tokenizer.to_str().unwrap();
+    let a = Emulator::start_publishing(MODEL);
+    let b = Emulator::start(&[
+        "--model",
+        MODEL,
+        "--speed",
+        "100",
+        "--kv-events-endpoint",
+        "tcp://127.0.0.1:0",
+        "--kv-events-bind",
+        "--write-tokenizer",
+        tokenizer,
+    ]);
+    let flag = format!("{MODEL}={tokenizer}");
+    let gw = exact_gateway(&a, &b, &["--tokenizer", &flag]);
+    let c = client();
+    until_exact(&c, &gw, &a, "a", 11).await;
+    until_exact(&c, &gw, &b, "b", 12).await;
+    let url = gw.url("/v1/completions");
+    let headers: &[(&str, &str)] = &[("x-session-id", "story")];
+    let fresh = |m: &str, path: &str| {
+        metric_sum(
+            m,
+            "switchyard_tokenizer_new_bytes_total",
+            &[&format!("path=\"{path}\"")],
+        )
+    };
+    let mut prompt = words(800, 600);
+    for turn in 0..3u32 {
+        let m = metrics(&c, &gw).await;
+        let before = fresh(&m, "request");
+        let warmed = metric_sum(&m, "switchyard_tokenizer_warmups_total", &[]);
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 20});
+        let r = gateway_support::post_with(&c, &url, &body, headers).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("usage with cached tokens");
+        let decision = r.header("x-switchyard-decision").unwrap_or_default();
+        assert!(
+            decision.contains(&format!("cached={cached} ")),
+            "turn {turn}: {cached}: {decision}"
+        );
+        let m = metrics(&c, &gw).await;
+        let on_the_way = fresh(&m, "request") - before;
+        if turn > 0 {
+            // The last turn's prompt and answer were kept as the answer ended: only the new
+            // question and the margins around the splice are tokenized on the way.
+            assert!(
+                cached as usize * 4 >= prompt.len() - 120,
+                "turn {turn}: {cached}"
+            );
+            assert!(
+                on_the_way <= 40.0 + 256.0,
+                "turn {turn}: {on_the_way} bytes"
+            );
+        }
+        let answer = r.json()["choices"][0]["text"]
+            .as_str()
+            .expect("text")
+            .to_string();
+        poll(Duration::from_secs(20), || {
+            let (c, gw) = (&c, &gw);
+            async move {
+                let m = metrics(c, gw).await;
+                (metric_sum(&m, "switchyard_tokenizer_warmups_total", &[]) > warmed).then_some(())
+            }
+        })
+        .await
+        .unwrap_or_else(|| panic!("turn {turn}'s answer was never warmed"));
+        prompt = format!("{prompt}{answer}{}", words(810 + turn, 10));
+    }
+}

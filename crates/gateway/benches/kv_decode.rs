@@ -150,6 +150,31 @@ fn tokenize(c: &mut Criterion) {
                 },
             );
         }
+        // A conversation sent as one text (`/v1/completions`): the last turn's text kept (it
+        // was tokenized, or warmed as its answer ended), the next turn a sixth longer.
+        let mut conversation = 0usize;
+        c.bench_function(&format!("tokenize_{n}_tokens_next_turn_continued"), |b| {
+            b.iter_batched(
+                || {
+                    conversation += 1;
+                    let lead: String = (0..4)
+                        .map(|digit| words[conversation / words.len().pow(digit) % words.len()])
+                        .collect();
+                    let history = format!("{lead}{}", text(n * 5 / 6));
+                    cached
+                        .token_ids("m", &history)
+                        .expect("the history tokenizes");
+                    format!("{history}{}", text(n / 6))
+                },
+                |next| {
+                    let input = Input::Text(std::hint::black_box(next.as_str()));
+                    cached
+                        .ids_as_needed("m", &input, &mut |_| usize::MAX, 0, usize::MAX, &mut 0)
+                        .map(|needed| matches!(needed, Needed::Whole(_)))
+                },
+                criterion::BatchSize::SmallInput,
+            )
+        });
         c.bench_function(&format!("tokenize_{n}_tokens_seen_before"), |b| {
             b.iter(|| {
                 cached
@@ -304,7 +329,7 @@ fn tokenize(c: &mut Criterion) {
         let warm = |answer: &str| {
             let conversation = vec![messages[0], messages[1], ("assistant", answer)];
             chatml_cached
-                .warm("m", &Input::Chat(conversation), &[answer])
+                .warm("m", &Input::Chat(conversation), false)
                 .expect("the answer is in the rendering")
         };
         c.bench_function(

@@ -264,22 +264,15 @@ fn note_fallback(log: &mut FallbackLog, requested: &str, model: &str) {
 pub struct AnswerWarm {
     /// The base model whose tokenizer renders and tokenizes it.
     model: String,
-    /// The request's messages (role, content).
-    messages: Vec<(String, String)>,
-    /// Whether the last question is warmed too.
+    /// The request's prompt: its messages (role, content) or its text.
+    prompt: crate::tokenize::Input<String>,
+    /// Whether the last question is warmed too (and a prompt of one piece at all).
     with_question: bool,
 }
 
-impl AnswerWarm {
-    /// The question to warm with the answer: the last user message, when it is warmed.
-    fn question(&self) -> &str {
-        self.messages
-            .iter()
-            .rev()
-            .find(|(role, _)| self.with_question && role == "user")
-            .map_or("", |(_, content)| content.as_str())
-    }
-}
+/// Answers (with their question) of fewer bytes are warmed on an async worker: a few
+/// microseconds, less than a hop to the blocking pool.
+const WARM_ON_WORKER_BYTES: usize = 1 << 10;
 
 /// Prompts with this many bytes of text or more are tokenized on the blocking pool (about 4k
 /// tokens: a few milliseconds when the text is new).
@@ -613,47 +606,59 @@ impl Gateway {
         ids
     }
 
-    /// What to keep of a chat request so that its answer can be warmed
-    /// ([`Gateway::warm_answer`]): only where its prompt was tokenized (an instance of the
-    /// model publishes trusted KV events, so the next turn will be tokenized too) and the
-    /// model's tokenizer has a piece cache and a chat template. The question is warmed along
-    /// with the answer only in a conversation that has gone on before (an assistant message
-    /// in it) or names its session (`x-session-id`), so one-off prompts do not pay to
-    /// tokenize text no next turn may send.
+    /// What to keep of a request so that its answer can be warmed ([`Gateway::warm_answer`]):
+    /// only where its prompt was tokenized (an instance of the model publishes trusted KV
+    /// events, so the next turn will be tokenized too) and the model's tokenizer has a piece
+    /// cache. The question is warmed along with the answer only in a conversation that has
+    /// gone on before (an assistant message in it) or names its session (`x-session-id`), so
+    /// one-off prompts do not pay to tokenize text no next turn may send; a text prompt
+    /// (`/v1/completions`), which shows no turns, only with a session.
     pub fn answer_warm(
         &self,
         target: &Target,
         parsed: &ParsedRequest<'_>,
         prompt: &PreparedPrompt,
     ) -> Option<Arc<AnswerWarm>> {
-        let messages = parsed.messages.as_ref()?;
-        if !self.settings.answer_warmup
-            || prompt.token_ids().is_none()
-            || !self.tokenizers.can_warm(&target.model)
-        {
+        if !self.settings.answer_warmup || prompt.token_ids().is_none() {
             return None;
         }
-        let with_question =
-            parsed.session_id.is_some() || messages.iter().any(|m| m.role == "assistant");
+        let session = parsed.session_id.is_some();
+        let (prompt, with_question) = match (&parsed.messages, &parsed.prompt) {
+            (Some(messages), _) => (
+                crate::tokenize::Input::Chat(
+                    messages
+                        .iter()
+                        .map(|m| (m.role.to_string(), m.content.to_string()))
+                        .collect(),
+                ),
+                session || messages.iter().any(|m| m.role == "assistant"),
+            ),
+            (None, crate::parse::PromptText::Text(t)) if session => {
+                (crate::tokenize::Input::Text(t.to_string()), true)
+            }
+            _ => return None,
+        };
+        let chat = matches!(prompt, crate::tokenize::Input::Chat(_));
+        if !self.tokenizers.can_warm(&target.model, chat) {
+            return None;
+        }
         Some(Arc::new(AnswerWarm {
             model: target.model.clone(),
-            messages: messages
-                .iter()
-                .map(|m| (m.role.to_string(), m.content.to_string()))
-                .collect(),
+            prompt,
             with_question,
         }))
     }
 
-    /// Tokenizes a finished chat answer (and, per [`AnswerWarm`], its question) into the
-    /// piece cache, off the answer's path: a short one as a task on the runtime, a long one on
-    /// the blocking pool when a tokenizing thread is free (else not at all: the next turn
-    /// then tokenizes it as before).
+    /// Tokenizes a finished answer (and, per [`AnswerWarm`], its question) into the
+    /// tokenizer's caches, off every request's path: a short answer alone as a task on the
+    /// runtime, anything longer on the blocking pool when a tokenizing thread is free (else
+    /// not at all: the next turn then tokenizes it as before). Not on an async worker: its
+    /// requests would wait.
     pub fn warm_answer(self: &Arc<Self>, warm: Arc<AnswerWarm>, answer: String) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let long = answer.len() + warm.question().len() >= TOKENIZE_ON_POOL_BYTES;
+        let long = warm.with_question || answer.len() >= WARM_ON_WORKER_BYTES;
         let permit = if long {
             match self.tokenize_permits.clone().try_acquire_owned() {
                 Ok(permit) => Some(permit),
@@ -668,15 +673,23 @@ impl Gateway {
         let gw = self.clone();
         let work = move || {
             let _permit = permit;
-            let mut conversation: Vec<(&str, &str)> = warm
-                .messages
-                .iter()
-                .map(|(role, content)| (role.as_str(), content.as_str()))
-                .collect();
-            conversation.push(("assistant", answer.as_str()));
-            let parts = [answer.as_str(), warm.question()];
-            let input = crate::tokenize::Input::Chat(conversation);
-            match gw.tokenizers.warm(&warm.model, &input, &parts) {
+            let (model, with_question) = (&warm.model, warm.with_question);
+            let warmed = match &warm.prompt {
+                crate::tokenize::Input::Chat(messages) => {
+                    let mut messages: Vec<(&str, &str)> = messages
+                        .iter()
+                        .map(|(role, content)| (role.as_str(), content.as_str()))
+                        .collect();
+                    messages.push(("assistant", answer.as_str()));
+                    let continued = crate::tokenize::Input::Chat(messages);
+                    gw.tokenizers.warm(model, &continued, with_question)
+                }
+                crate::tokenize::Input::Text(prompt) => {
+                    let continued = crate::tokenize::Input::Text(format!("{prompt}{answer}"));
+                    gw.tokenizers.warm(model, &continued, with_question)
+                }
+            };
+            match warmed {
                 Some(0) => gw.metrics.tokenizer_warmup("cached"),
                 Some(fresh) => {
                     gw.metrics.tokenizer_warmup("warmed");

@@ -346,6 +346,9 @@ struct ChoiceJson<'a> {
     delta: Option<ContentJson<'a>>,
     #[serde(borrow, default)]
     message: Option<ContentJson<'a>>,
+    /// A completion's text (`/v1/completions`).
+    #[serde(borrow, default)]
+    text: Option<std::borrow::Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -357,7 +360,7 @@ struct ContentJson<'a> {
 impl AnswerText {
     /// Adds the text of one chat completion or chunk (`json`).
     fn add(&mut self, json: &[u8]) {
-        if self.spoiled || !contains(json, b"\"content\"") {
+        if self.spoiled || !(contains(json, b"\"content\"") || contains(json, b"\"text\"")) {
             return;
         }
         let Ok(parsed) = serde_json::from_slice::<ChoicesJson<'_>>(json) else {
@@ -369,6 +372,7 @@ impl AnswerText {
                 .delta
                 .or(choice.message)
                 .and_then(|c| c.content)
+                .or(choice.text)
                 .unwrap_or_default();
             if content.is_empty() {
                 continue;
@@ -413,7 +417,7 @@ impl SseScanner {
     /// Looks at one event; true when it is a usage-only chunk.
     fn inspect(&mut self, event: &[u8]) -> bool {
         if let Some(answer) = self.answer.as_mut() {
-            if contains(event, b"\"content\"") {
+            if contains(event, b"\"content\"") || contains(event, b"\"text\"") {
                 if let Some(data) = event_data(event) {
                     answer.add(&data);
                 }

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
+mod continued;
 mod pieces;
 
 pub use pieces::Needed;
@@ -144,6 +145,12 @@ impl ChatTemplate {
     /// The prompt text the engine makes of `messages` (role, content), with the generation
     /// prompt; none when the template fails on them.
     fn render(&self, messages: &[(&str, &str)]) -> Option<String> {
+        self.render_with(messages, true)
+    }
+
+    /// As [`ChatTemplate::render`], with or without the generation prompt (a conversation
+    /// whose last message is the answer, as its next turn renders it).
+    fn render_with(&self, messages: &[(&str, &str)], generation_prompt: bool) -> Option<String> {
         let messages: Vec<minijinja::Value> = messages
             .iter()
             .map(|(role, content)| minijinja::context! { role => *role, content => *content })
@@ -152,7 +159,7 @@ impl ChatTemplate {
         template
             .render(minijinja::context! {
                 messages => messages,
-                add_generation_prompt => true,
+                add_generation_prompt => generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
             })
@@ -315,40 +322,70 @@ impl Tokenizers {
             .ok_or(Miss::Unknown)
     }
 
-    /// Whether `model`'s chat prompts can be warmed ([`Tokenizers::warm`]): it has a chat
-    /// template and a piece cache that cuts prompts at added tokens (which every chat model's
-    /// tokenizer has; the emulator's has none).
-    pub fn can_warm(&self, model: &str) -> bool {
-        self.by_model.get(model).is_some_and(|l| {
-            l.chat.is_some() && l.pieces.as_ref().is_some_and(pieces::PieceTokenizer::cuts)
-        })
+    /// Whether `model`'s prompts can be warmed ([`Tokenizers::warm`]): it has a piece cache
+    /// (and, for chat messages, a chat template).
+    pub fn can_warm(&self, model: &str, chat: bool) -> bool {
+        self.by_model
+            .get(model)
+            .is_some_and(|l| l.pieces.is_some() && (!chat || l.chat.is_some()))
     }
 
-    /// Tokenizes into the piece cache the pieces of `conversation` (chat messages, the last
-    /// usually the engine's answer) that hold the texts `parts` (message contents), so that
-    /// the conversation's next turn, which sends them again, finds them cached instead of
-    /// tokenizing them on its way. Each part is looked for in the rendered conversation from
-    /// the end, the next one before the previous one's place. Returns the bytes tokenized
-    /// anew; none when the model cannot be warmed, the template fails, or a part is not in the
-    /// rendering as written (a template that edits the content).
+    /// Tokenizes into the caches what the next turn of a conversation will send again and no
+    /// instance's prompt has had tokenized yet, so that the turn finds it cached instead of
+    /// tokenizing it on its way. `continued` is the request's prompt with the engine's answer
+    /// after it: chat messages with the answer as the last, or a text prompt with the answer
+    /// appended. Where the tokenizer cuts prompts at special tokens, the pieces holding the
+    /// answer (and, `with_question`, the last user message) are tokenized, each looked for in
+    /// the rendering from the end; where it does not (one piece a prompt), or for a text
+    /// prompt, the whole is, from near the end of the prompt's kept tokens
+    /// (`tokenize::continued`), and only `with_question` (one-off prompts do not pay for a
+    /// whole prompt no next turn may send). Returns the bytes tokenized anew; none when the
+    /// model cannot be warmed, the template fails, or the answer is not in the rendering as
+    /// written (a template that edits the content).
     pub fn warm<S: AsRef<str>>(
         &self,
         model: &str,
-        conversation: &Input<S>,
-        parts: &[&str],
+        continued: &Input<S>,
+        with_question: bool,
     ) -> Option<usize> {
-        if !self.can_warm(model) {
-            return None;
-        }
         let loaded = self.by_model.get(model)?;
         let pieces = loaded.pieces.as_ref()?;
-        let Input::Chat(_) = conversation else {
-            return None;
+        let (text, special) = match continued {
+            // As the next turn renders it: no generation prompt after the answer.
+            Input::Chat(messages) => {
+                let messages: Vec<(&str, &str)> = messages
+                    .iter()
+                    .map(|(r, c)| (r.as_ref(), c.as_ref()))
+                    .collect();
+                (
+                    loaded.chat.as_ref()?.render_with(&messages, false)?.into(),
+                    false,
+                )
+            }
+            Input::Text(_) => loaded.text_of(continued).ok()?,
         };
-        let (text, _) = loaded.text_of(conversation).ok()?;
+        let Input::Chat(messages) = continued else {
+            let mut fresh = 0;
+            with_question
+                .then(|| pieces.encode_counted(&loaded.tokenizer, &text, special, &mut fresh))??;
+            return Some(fresh);
+        };
+        if !pieces.cuts() {
+            let mut fresh = 0;
+            with_question
+                .then(|| pieces.encode_counted(&loaded.tokenizer, &text, special, &mut fresh))??;
+            return Some(fresh);
+        }
+        let answer = messages.last()?.1.as_ref();
+        let question = messages
+            .iter()
+            .rev()
+            .skip(1)
+            .find(|(role, _)| with_question && role.as_ref() == "user")
+            .map_or("", |(_, content)| content.as_ref());
         let mut before = text.len();
-        let mut ranges = Vec::with_capacity(parts.len());
-        for part in parts.iter().filter(|p| !p.is_empty()) {
+        let mut ranges = Vec::with_capacity(2);
+        for part in [answer, question].into_iter().filter(|p| !p.is_empty()) {
             let at = text[..before].rfind(part)?;
             ranges.push(at..at + part.len());
             before = at;
@@ -525,7 +562,6 @@ mod tests {
             let rendered =
                 switchyard_emulator::chat_template::render(&emulator_messages(&messages));
             let t = emulators_with(special);
-            prop_assert_eq!(t.can_warm("m"), special);
             let ids = switchyard_emulator::chat_template::encode(&rendered, special);
             prop_assert_eq!(t.chat_token_ids("m", &pairs), Some(ids));
         }
@@ -565,52 +601,77 @@ mod tests {
         answered.push(("assistant", answer.as_str()));
         let mut next_turn = answered.clone();
         next_turn.push(("user", next.as_str()));
-        assert!(
-            !emulators().can_warm("m"),
-            "no added tokens: one piece a prompt"
-        );
-        for warmed in [false, true] {
-            let t = emulators_with(true);
-            assert!(t.can_warm("m"));
-            // The first turn, new to every instance: tokenized for its first block only.
-            let needed = t
-                .ids_as_needed(
-                    "m",
-                    &Input::Chat(turn.clone()),
-                    &mut |_| 16,
-                    0,
-                    usize::MAX,
-                    &mut 0,
-                )
-                .unwrap();
-            assert!(matches!(needed, Needed::Prefix(..)), "{needed:?}");
-            if warmed {
-                let parts = [answer.as_str(), question.as_str()];
-                let fresh = t.warm("m", &Input::Chat(answered.clone()), &parts).unwrap();
-                assert!(fresh >= answer.len() + question.len(), "{fresh}");
-                assert_eq!(t.warm("m", &Input::Chat(answered.clone()), &parts), Some(0));
-            }
-            // The next turn, every id of it held but the new question's.
-            let mut fresh = 0;
-            let input = Input::Chat(next_turn.clone());
-            let needed = t
-                .ids_as_needed("m", &input, &mut |_| usize::MAX, 0, usize::MAX, &mut fresh)
-                .unwrap();
-            let whole = emulators_with(true).ids("m", &input).unwrap();
-            assert_eq!(needed, Needed::Whole(whole));
-            if warmed {
-                assert!(fresh <= system.len() + next.len() + 64, "{fresh}");
-            } else {
-                assert!(fresh >= question.len() + answer.len(), "{fresh}");
+        let prompt = format!("{system}{question}");
+        let prompt_answered = format!("{prompt}{answer}");
+        let prompt_next = format!("{prompt_answered}{next}");
+        // Chat cut into pieces at special tokens; chat as one piece (a template without
+        // special tokens); a text prompt that grows by its answer and a new question.
+        let cases = [
+            (
+                true,
+                Input::Chat(turn.clone()),
+                Input::Chat(answered.clone()),
+                Input::Chat(next_turn.clone()),
+            ),
+            (
+                false,
+                Input::Chat(turn),
+                Input::Chat(answered),
+                Input::Chat(next_turn),
+            ),
+            (
+                false,
+                Input::Text(prompt.as_str()),
+                Input::Text(prompt_answered.as_str()),
+                Input::Text(prompt_next.as_str()),
+            ),
+        ];
+        for (case, (special, first, continued, next_input)) in cases.iter().enumerate() {
+            for warmed in [false, true] {
+                let t = emulators_with(*special);
+                let chat = matches!(first, Input::Chat(_));
+                assert!(t.can_warm("m", chat));
+                // The first turn, new to every instance: tokenized for its first block only.
+                let needed = t
+                    .ids_as_needed("m", first, &mut |_| 16, 0, usize::MAX, &mut 0)
+                    .unwrap();
+                assert!(matches!(needed, Needed::Prefix(..)), "{case}: {needed:?}");
+                if warmed {
+                    let fresh = t.warm("m", continued, true).unwrap();
+                    assert!(
+                        fresh >= answer.len() + question.len() - 64,
+                        "{case}: {fresh}"
+                    );
+                    assert!(t.warm("m", continued, true).unwrap() < 200, "{case}: again");
+                }
+                // The next turn, every id of it held but the new question's.
+                let mut fresh = 0;
+                let needed = t
+                    .ids_as_needed(
+                        "m",
+                        next_input,
+                        &mut |_| usize::MAX,
+                        0,
+                        usize::MAX,
+                        &mut fresh,
+                    )
+                    .unwrap();
+                let whole = emulators_with(*special).ids("m", next_input).unwrap();
+                assert_eq!(needed, Needed::Whole(whole), "{case}");
+                if warmed {
+                    assert!(fresh <= system.len() + next.len() + 256, "{case}: {fresh}");
+                } else {
+                    assert!(fresh >= question.len() + answer.len(), "{case}: {fresh}");
+                }
             }
         }
-        // A part the rendering does not hold as written is not guessed at.
+        // Without the question, only the answer's own pieces are worth it: where the prompt
+        // is one piece, nothing is.
         let t = emulators_with(true);
-        assert_eq!(t.warm("m", &Input::Chat(answered), &["not in it"]), None);
-        assert_eq!(
-            emulators().warm("m", &Input::Chat(turn), &[question.as_str()]),
-            None
-        );
+        let fresh = t.warm("m", &cases[0].2, false).unwrap();
+        assert!(fresh > answer.len() && fresh < answer.len() + 8, "{fresh}");
+        assert_eq!(emulators().warm("m", &cases[1].2, false), None);
+        assert_eq!(emulators().warm("other", &cases[1].2, true), None);
     }
 
     #[test]

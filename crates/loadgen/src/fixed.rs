@@ -20,7 +20,7 @@
 //! finished `drain_s` seconds after the last one was due are counted as timed out. One
 //! preflight request, before the schedule starts, must succeed.
 //!
-//! The request's user message is `words` four-byte words (three letters and a space: 2048
+//! The request's user message is `words` four-byte words (a space and three letters: 2048
 //! words are 8 KiB, 2,048 tokens for the emulator's 4-bytes-per-token tokenizer),
 //! non-streaming unless `stream`. `unique` puts a per-request number first (spelled in the
 //! same words, lowest digit first), so no two prompts share a prefix and every prompt stays
@@ -652,7 +652,7 @@ mod tests {
 
     #[test]
     fn bodies() {
-        assert_eq!(prompt(3), "the not out ");
+        assert_eq!(prompt(3), " the not out");
         assert_eq!(prompt(2048).len(), 8192);
         let o = FixedOptions {
             words: 2,
@@ -661,9 +661,9 @@ mod tests {
         let text = prompt(o.words);
         assert_eq!(
             o.body(&text, Some(7)).unwrap(),
-            r#"{"model":"m","messages":[{"role":"user","content":"not the the the the the the the the not "}],"max_tokens":4}"#
+            r#"{"model":"m","messages":[{"role":"user","content":" not the the the the the the the the not"}],"max_tokens":4}"#
         );
-        assert_eq!(spelled(0x12), "for and the the the the the the ");
+        assert_eq!(spelled(0x12), " for and the the the the the the");
         assert_ne!(
             spelled(1)[..4],
             spelled(2)[..4],

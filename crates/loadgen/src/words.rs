@@ -1,10 +1,13 @@
-//! Prompt text in four-byte words (three letters and a space): one token each for the
-//! emulator's tokenizer, and inside the vocabulary of the tokenizer it writes.
+//! Prompt text in four-byte words (a space and three letters): one token each for the
+//! emulator's tokenizer, and inside the vocabulary of the tokenizer it writes, at any place in
+//! a prompt (the emulator's own words, which begin with their space: text that starts right
+//! after a chat marker cut as a special token is chunked from its first byte).
 
-/// Three-letter words plus a space: four bytes, one emulator token each.
+/// A space and three letters: four bytes, one emulator token each (the first of the
+/// emulator's output words).
 const WORDS: [&str; 16] = [
-    "the ", "and ", "for ", "you ", "are ", "was ", "but ", "not ", "all ", "can ", "had ", "her ",
-    "one ", "our ", "out ", "day ",
+    " the", " and", " for", " you", " are", " was", " but", " not", " all", " can", " had", " her",
+    " one", " our", " out", " day",
 ];
 
 /// `n` in base 16, eight digits, lowest first, one word a digit: prompts numbered apart differ

@@ -17,6 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 
+use super::continued::{self, Continuations};
+
 /// Bytes of cached pieces (text and ids) per tokenizer: a 32k-token system prompt takes about
 /// 256 KiB, so this holds well over a hundred long conversations' histories.
 pub const CACHE_BYTES: usize = 64 << 20;
@@ -35,6 +37,9 @@ pub(super) struct PieceTokenizer {
     /// something else, and then prompts with special tokens are tokenized whole.
     wrap: Option<(Vec<u32>, Vec<u32>)>,
     cache: Mutex<Generations>,
+    /// Long pieces' ids and token ends, so that a longer piece starting with one is tokenized
+    /// from near its end (half the budget again).
+    continued: Continuations,
 }
 
 /// A piece cache bounded in bytes: new pieces go to the young generation; when it is full the
@@ -141,11 +146,12 @@ impl PieceTokenizer {
             added_ids: tokens.iter().map(|t| t.1).collect(),
             wrap: wrap(tokenizer),
             cache: Mutex::new(Generations::new(budget)),
+            continued: Continuations::new(budget / 2),
         };
         if !pieces.agrees_on_probes(tokenizer, &probes) {
             return None;
         }
-        // The probes' pieces are no prompt's.
+        // The probes' pieces are no prompt's (and too short to be continued).
         *pieces.lock() = Generations::new(budget);
         Some(pieces)
     }
@@ -349,23 +355,38 @@ impl PieceTokenizer {
                 ids.extend_from_slice(&found);
                 Some(0)
             }
-            None => {
-                self.encode_piece_fresh(tokenizer, piece, hash, ids)?;
-                Some(piece.len())
-            }
+            None => self.encode_piece_fresh(tokenizer, piece, hash, ids),
         }
     }
 
     /// Tokenizes `piece` (not in the cache; `hash` its text's), caches its ids and appends
-    /// them to `ids`.
+    /// them to `ids`; returns the bytes tokenized. A long piece is tokenized from near the
+    /// end of a kept piece it starts with, when there is one, and is kept in its turn.
     fn encode_piece_fresh(
         &self,
         tokenizer: &tokenizers::Tokenizer,
         piece: &str,
         hash: u64,
         ids: &mut Vec<u32>,
-    ) -> Option<()> {
-        let fresh: Arc<[u32]> = whole(tokenizer, piece, false)?.into();
+    ) -> Option<usize> {
+        let (fresh, tokenized): (Arc<[u32]>, usize) = if piece.len() < continued::MIN_BYTES {
+            (whole(tokenizer, piece, false)?.into(), piece.len())
+        } else {
+            let resumed = self
+                .continued
+                .prefix_of(piece)
+                .and_then(|from| continued::resume(tokenizer, piece, &from));
+            let (found, ends, tokenized) = match resumed {
+                Some(r) => r,
+                None => {
+                    let encoding = tokenizer.encode(piece, false).ok()?;
+                    let ends = encoding.get_offsets().iter().map(|o| o.1 as u32).collect();
+                    (encoding.get_ids().to_vec(), ends, piece.len())
+                }
+            };
+            self.continued.remember(piece, &found, &ends);
+            (found.into(), tokenized)
+        };
         ids.extend_from_slice(&fresh);
         self.lock().insert(
             hash,
@@ -374,7 +395,15 @@ impl PieceTokenizer {
                 ids: fresh,
             },
         );
-        Some(())
+        Some(tokenized)
+    }
+
+    /// Bytes left to tokenize of `piece` after the longest kept piece it starts with (none
+    /// without one).
+    fn continues(&self, piece: &str) -> Option<usize> {
+        self.continued
+            .prefix_of(piece)
+            .map(|from| piece.len() - from.text_len())
     }
 
     /// The cache; a poisoned lock only means another request panicked mid-lookup, and the
@@ -456,6 +485,13 @@ impl Fresh<'_> {
         horizon: &mut dyn FnMut(&[u32]) -> usize,
     ) -> Option<Taken> {
         let base = self.ids.len();
+        // A piece continuing a kept one costs its new part: taken whole.
+        if let Some(rest) = pieces.continues(piece) {
+            if self.fresh_bytes.saturating_add(rest) <= self.budget {
+                *self.fresh_bytes += pieces.encode_piece_fresh(tokenizer, piece, hash, self.ids)?;
+                return Some(Taken::Whole);
+            }
+        }
         let mut cut: usize = 0;
         let mut bytes_per_token = CUT_BYTES_PER_TOKEN;
         loop {
@@ -493,6 +529,15 @@ impl Fresh<'_> {
                 .map_or(0, |last| encoding.get_offsets()[last].1);
             self.ids.truncate(base);
             self.ids.extend_from_slice(&encoding.get_ids()[..kept]);
+            // Kept, so that the conversation's next turn (or this answer's warm-up) starts
+            // from here.
+            let ends: Vec<u32> = encoding.get_offsets()[..kept]
+                .iter()
+                .map(|o| o.1 as u32)
+                .collect();
+            pieces
+                .continued
+                .remember(&piece[..covered], &encoding.get_ids()[..kept], &ends);
             if kept > 0 {
                 bytes_per_token = covered.div_ceil(kept).max(1);
             }
@@ -686,6 +731,69 @@ mod tests {
         .unwrap()
     }
 
+    proptest! {
+        #[test]
+        fn a_piece_continued_from_a_kept_one_gives_the_tokenizers_own_ids(
+            items in proptest::collection::vec(0usize..600, 50..300),
+            kept_share in 0.1f64..1.0,
+            bpe in any::<bool>(),
+        ) {
+            let t = if bpe { byte_level_bpe() } else { tokenizer(serde_json::json!({})) };
+            // A piece: words, spaces and stray characters, no added token.
+            let items: Vec<usize> = items.into_iter().filter(|i| i % 3 != 1).collect();
+            let piece = text(&items).repeat(8);
+            let at = floor_char_boundary(&piece, (piece.len() as f64 * kept_share) as usize);
+            let kept_text = &piece[..at];
+            prop_assume!(kept_text.len() >= continued::MIN_BYTES);
+            let encoding = t.encode(kept_text, false).unwrap();
+            let ends: Vec<u32> = encoding.get_offsets().iter().map(|o| o.1 as u32).collect();
+            let kept = Continuations::new(CACHE_BYTES);
+            kept.remember(kept_text, encoding.get_ids(), &ends);
+            match kept.prefix_of(&piece) {
+                None => prop_assert_eq!(at, piece.len()),
+                Some(from) => {
+                    let whole_ids = whole(&t, &piece, false).unwrap();
+                    if let Some((ids, ends, fresh)) = continued::resume(&t, &piece, &from) {
+                        prop_assert_eq!(&ids, &whole_ids);
+                        prop_assert_eq!(ends.len(), ids.len());
+                        prop_assert!(fresh < piece.len() - at + 300, "{} of {}", fresh, piece.len() - at);
+                    }
+                    // Through the piece cache: the same ids, whether resumed or not.
+                    let pieces = PieceTokenizer::new(&t, CACHE_BYTES).unwrap();
+                    pieces.continued.remember(kept_text, encoding.get_ids(), &ends);
+                    prop_assert_eq!(pieces.encode(&t, &piece, false), Some(whole_ids));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_conversation_sent_as_one_text_is_tokenized_from_where_it_was_kept() {
+        let vocab: Vec<&str> = vocabulary().map(|(w, _)| w).collect();
+        let turn = |seed: usize| -> String {
+            (0..300)
+                .map(|i| vocab[(seed * 13 + i * 7) % vocab.len()])
+                .collect::<String>()
+                + "\n\n"
+        };
+        for t in [tokenizer(serde_json::json!({})), byte_level_bpe()] {
+            let pieces = PieceTokenizer::new(&t, CACHE_BYTES).unwrap();
+            let mut conversation = String::new();
+            for round in 0..4 {
+                conversation.push_str(&turn(round));
+                let mut fresh = 0;
+                let ids = pieces.encode_counted(&t, &conversation, false, &mut fresh);
+                assert_eq!(ids, whole(&t, &conversation, false), "round {round}");
+                if round == 0 {
+                    assert_eq!(fresh, conversation.len());
+                } else {
+                    // The new turn and the margins around the splice, not the whole.
+                    assert!(fresh <= turn(round).len() + 256, "round {round}: {fresh}");
+                }
+            }
+        }
+    }
+
     /// A horizon as the router gives it: the whole prompt's first `held` ids are held in
     /// blocks of `block`, and a lookup can use one block past the run the ids match.
     fn horizon_of(whole: &[u32], held: usize, block: usize) -> impl FnMut(&[u32]) -> usize + '_ {
@@ -819,6 +927,7 @@ mod tests {
             added_ids: vec![7],
             wrap: None,
             cache: Mutex::new(Generations::new(CACHE_BYTES)),
+            continued: Continuations::new(CACHE_BYTES),
         };
         assert_eq!(
             pieces.encode(&t, "a<|im_end|>a", false),
