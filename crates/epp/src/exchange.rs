@@ -442,6 +442,8 @@ impl Exchange {
         if self.bodies == BodyWatch::Skip {
             // No body will be seen: the head is the first byte.
             w.on_data(Bytes::new(), false);
+        } else {
+            w = w.with_answer_warm(routed.warm.clone());
         }
         *watch = Some(Box::new(w));
         if end_of_stream {

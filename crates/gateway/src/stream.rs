@@ -671,6 +671,15 @@ impl ResponseWatch {
         ))
     }
 
+    /// Collects the answer's text and warms the tokenizer's caches with it when the body
+    /// ends, as [`ObservedBody::with_answer_warm`] does.
+    pub fn with_answer_warm(mut self, warm: Option<Arc<AnswerWarm>>) -> Self {
+        if let Some(warm) = warm {
+            self.0.set_warm(warm);
+        }
+        self
+    }
+
     /// One chunk of the body; returns what to pass on (the usage chunk we asked for removed).
     pub fn on_data(&mut self, data: Bytes, last: bool) -> Bytes {
         let mut out = self.0.on_data(data, last);

@@ -59,6 +59,11 @@ fn entry_bytes(c: &Continued) -> usize {
     c.text.len() + 4 * (c.ids.len() + c.ends.len()) + ENTRY_OVERHEAD
 }
 
+/// What a text of `bytes` takes kept, at most (a token per byte).
+fn entry_bytes_of(bytes: usize) -> usize {
+    bytes.saturating_mul(9).saturating_add(ENTRY_OVERHEAD)
+}
+
 fn key(text: &str) -> u64 {
     xxhash_rust::xxh3::xxh3_64(&text.as_bytes()[..KEY_BYTES.min(text.len())])
 }
@@ -77,6 +82,11 @@ impl Continuations {
     fn lock(&self) -> std::sync::MutexGuard<'_, Sets> {
         // A poisoned lock only means another request panicked mid-update; the maps are whole.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether a text of `bytes` would be kept (so its tokens' ends are worth finding).
+    pub(super) fn would_keep(&self, bytes: usize) -> bool {
+        bytes >= MIN_BYTES && entry_bytes_of(bytes) <= self.lock().budget / 2
     }
 
     /// Keeps `text`'s `ids` and their `ends` (one per id, increasing, the last at most the

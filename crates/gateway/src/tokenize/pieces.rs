@@ -369,7 +369,7 @@ impl PieceTokenizer {
         hash: u64,
         ids: &mut Vec<u32>,
     ) -> Option<usize> {
-        let (fresh, tokenized): (Arc<[u32]>, usize) = if piece.len() < continued::MIN_BYTES {
+        let (fresh, tokenized): (Arc<[u32]>, usize) = if !self.continued.would_keep(piece.len()) {
             (whole(tokenizer, piece, false)?.into(), piece.len())
         } else {
             let resumed = self
