@@ -8,6 +8,7 @@
 //! and pass, except when `SWITCHYARD_REQUIRE_ENVOY` is set (scripts/test.sh, so CI), where a
 //! missing Envoy fails them.
 
+mod engine_support;
 mod gateway_support;
 mod support;
 
@@ -609,4 +610,117 @@ async fn with_secure_serving_envoy_reaches_the_picker_over_tls() {
         );
     }
     assert!(served.iter().all(|s| *s == served[0]), "{served:?}");
+}
+
+#[tokio::test]
+async fn the_picker_warms_a_chat_answer_for_the_next_turn() {
+    let Some(bin) = envoy_binary() else { return };
+    // Engines whose chat markers are special tokens and that publish KV events: the picker
+    // tokenizes prompts for exact matching and warms its tokenizer with each answer it sees.
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = dir.path().join("tokenizer.json");
+    let tokenizer = tokenizer.to_str().unwrap();
+    let publishing = |extra: &[&str]| {
+        let mut args = vec![
+            "--model",
+            MODEL,
+            "--speed",
+            "100",
+            "--special-tokens",
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:0",
+            "--kv-events-bind",
+        ];
+        args.extend_from_slice(extra);
+        engine_support::Emulator::start(&args)
+    };
+    let a = publishing(&["--write-tokenizer", tokenizer]);
+    let b = publishing(&[]);
+    let backend_of = |name: &str, e: &engine_support::Emulator| {
+        let kv = e.kv_endpoint.as_deref().expect("kv-events endpoint");
+        format!("{},models={MODEL},name={name},kv_events={kv}", e.base)
+    };
+    let flag = format!("{MODEL}={tokenizer}");
+    let picker = epp(&[
+        "--backend",
+        &backend_of("a", &a),
+        "--backend",
+        &backend_of("b", &b),
+        "--tokenizer",
+        &flag,
+        "--kv-events-probation",
+        "0.3",
+    ]);
+    wait_healthy(&picker, 2).await;
+    let c = client();
+    // Events flow once the subscriptions settle: seed each engine until both are matched
+    // exactly.
+    for (name, engine) in [("a", &a), ("b", &b)] {
+        let mut n = 0u32;
+        poll(Duration::from_secs(30), || {
+            n += 1;
+            let (c, picker) = (&c, &picker);
+            async move {
+                let ids: Vec<u32> = (0..48).map(|i| 5_000 + n * 100 + i).collect();
+                let seed = json!({"model": MODEL, "prompt": ids, "max_tokens": 1});
+                post(c, &format!("{}/v1/completions", engine.base), &seed).await;
+                let m = get_with(c, &picker.url("/metrics"), &[]).await.text;
+                let exact = metric_sum(
+                    &m,
+                    "switchyard_kv_events_exact",
+                    &[&format!("backend=\"{name}\"")],
+                );
+                (exact == 1.0).then_some(())
+            }
+        })
+        .await
+        .unwrap_or_else(|| panic!("{name} never became exact"));
+    }
+    let addrs: Vec<String> = [&a, &b]
+        .iter()
+        .map(|e| e.base.trim_start_matches("http://").to_string())
+        .collect();
+    let envoy = start_envoy(
+        &bin,
+        &picker,
+        Config::OverrideHost(&addrs),
+        "FULL_DUPLEX_STREAMED",
+    )
+    .await;
+    let vocab: Vec<&str> = switchyard_emulator::engine::tokenizer::vocabulary()
+        .map(|(w, _)| w)
+        .collect();
+    let question: String = (0..300).map(|i| vocab[(i * 7) % vocab.len()]).collect();
+    let body = json!({"model": MODEL, "max_tokens": 12, "stream": true,
+        "messages": [{"role": "user", "content": question}]});
+    let r = post(&c, &format!("{}/v1/chat/completions", envoy.base), &body).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let answer: String = sse_chunks(&r.text)
+        .iter()
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert!(!answer.is_empty(), "{}", r.text);
+    // The answer's piece ("\n" and the answer), not the question (no session, one turn).
+    let warmed = poll(Duration::from_secs(20), || async {
+        let m = get_with(&c, &picker.url("/metrics"), &[]).await.text;
+        let warmed = metric_sum(
+            &m,
+            "switchyard_tokenizer_warmups_total",
+            &["result=\"warmed\""],
+        );
+        (warmed == 1.0).then(|| {
+            metric_sum(
+                &m,
+                "switchyard_tokenizer_new_bytes_total",
+                &["path=\"warmup\""],
+            )
+        })
+    })
+    .await
+    .expect("the picker warmed the answer");
+    assert_eq!(warmed, (answer.len() + 1) as f64, "{answer:?}");
 }
