@@ -208,11 +208,11 @@ impl PieceTokenizer {
         let mut ids = prefix.to_vec();
         let mut start = 0;
         for found in self.added.iter().flat_map(|added| added.find_iter(text)) {
-            *fresh += self.encode_piece(tokenizer, &text[start..found.start()], &mut ids)?;
+            *fresh += self.encode_piece(tokenizer, &text[start..found.start()], &mut ids, false)?;
             ids.push(self.added_ids[found.pattern().as_usize()]);
             start = found.end();
         }
-        *fresh += self.encode_piece(tokenizer, &text[start..], &mut ids)?;
+        *fresh += self.encode_piece(tokenizer, &text[start..], &mut ids, true)?;
         ids.extend_from_slice(suffix);
         Some(ids)
     }
@@ -244,7 +244,7 @@ impl PieceTokenizer {
             .map(|found| (found.start(), found.end()));
         for (end, next) in cuts {
             if start < end && parts.iter().any(|p| p.start < end && start < p.end) {
-                fresh += self.encode_piece(tokenizer, &text[start..end], &mut scratch)?;
+                fresh += self.encode_piece(tokenizer, &text[start..end], &mut scratch, false)?;
                 scratch.clear();
             }
             start = next;
@@ -318,6 +318,7 @@ impl PieceTokenizer {
                         fresh_bytes: &mut *fresh_bytes,
                         held_bytes: held_bytes.saturating_sub(start),
                         budget,
+                        last: added.is_none(),
                     };
                     match fresh.encode(self, tokenizer, piece, hash, horizon)? {
                         Taken::Whole => {}
@@ -338,12 +339,14 @@ impl PieceTokenizer {
     }
 
     /// Appends the ids of `piece`, a text without added tokens, to `ids`; returns the bytes
-    /// tokenized anew (0 when the piece was cached).
+    /// tokenized anew (0 when the piece was cached). `last`: no added token follows it (the
+    /// only piece a longer text can continue).
     fn encode_piece(
         &self,
         tokenizer: &tokenizers::Tokenizer,
         piece: &str,
         ids: &mut Vec<u32>,
+        last: bool,
     ) -> Option<usize> {
         if piece.is_empty() {
             return Some(0);
@@ -355,21 +358,24 @@ impl PieceTokenizer {
                 ids.extend_from_slice(&found);
                 Some(0)
             }
-            None => self.encode_piece_fresh(tokenizer, piece, hash, ids),
+            None => self.encode_piece_fresh(tokenizer, piece, hash, ids, last),
         }
     }
 
     /// Tokenizes `piece` (not in the cache; `hash` its text's), caches its ids and appends
-    /// them to `ids`; returns the bytes tokenized. A long piece is tokenized from near the
-    /// end of a kept piece it starts with, when there is one, and is kept in its turn.
+    /// them to `ids`; returns the bytes tokenized. A long `last` piece (no added token after
+    /// it: a later turn may continue it) is tokenized from near the end of a kept piece it
+    /// starts with, when there is one, and is kept in its turn.
     fn encode_piece_fresh(
         &self,
         tokenizer: &tokenizers::Tokenizer,
         piece: &str,
         hash: u64,
         ids: &mut Vec<u32>,
+        last: bool,
     ) -> Option<usize> {
-        let (fresh, tokenized): (Arc<[u32]>, usize) = if !self.continued.would_keep(piece.len()) {
+        let keep = last && self.continued.would_keep(piece.len());
+        let (fresh, tokenized): (Arc<[u32]>, usize) = if !keep {
             (whole(tokenizer, piece, false)?.into(), piece.len())
         } else {
             let resumed = self
@@ -470,6 +476,8 @@ struct Fresh<'a> {
     /// Bytes of this piece the router expects an instance to hold.
     held_bytes: usize,
     budget: usize,
+    /// No added token follows the piece: a later turn may continue it.
+    last: bool,
 }
 
 impl Fresh<'_> {
@@ -486,9 +494,10 @@ impl Fresh<'_> {
     ) -> Option<Taken> {
         let base = self.ids.len();
         // A piece continuing a kept one costs its new part: taken whole.
-        if let Some(rest) = pieces.continues(piece) {
+        if let Some(rest) = self.last.then(|| pieces.continues(piece)).flatten() {
             if self.fresh_bytes.saturating_add(rest) <= self.budget {
-                *self.fresh_bytes += pieces.encode_piece_fresh(tokenizer, piece, hash, self.ids)?;
+                *self.fresh_bytes +=
+                    pieces.encode_piece_fresh(tokenizer, piece, hash, self.ids, true)?;
                 return Some(Taken::Whole);
             }
         }
@@ -509,7 +518,7 @@ impl Fresh<'_> {
                     return Some(Taken::OverBudget);
                 }
                 self.ids.truncate(base);
-                pieces.encode_piece_fresh(tokenizer, piece, hash, self.ids)?;
+                pieces.encode_piece_fresh(tokenizer, piece, hash, self.ids, self.last)?;
                 return Some(Taken::Whole);
             }
             let at = floor_char_boundary(piece, cut);
@@ -531,13 +540,15 @@ impl Fresh<'_> {
             self.ids.extend_from_slice(&encoding.get_ids()[..kept]);
             // Kept, so that the conversation's next turn (or this answer's warm-up) starts
             // from here.
-            let ends: Vec<u32> = encoding.get_offsets()[..kept]
-                .iter()
-                .map(|o| o.1 as u32)
-                .collect();
-            pieces
-                .continued
-                .remember(&piece[..covered], &encoding.get_ids()[..kept], &ends);
+            if self.last {
+                let ends: Vec<u32> = encoding.get_offsets()[..kept]
+                    .iter()
+                    .map(|o| o.1 as u32)
+                    .collect();
+                pieces
+                    .continued
+                    .remember(&piece[..covered], &encoding.get_ids()[..kept], &ends);
+            }
             if kept > 0 {
                 bytes_per_token = covered.div_ceil(kept).max(1);
             }
