@@ -623,25 +623,31 @@ impl Gateway {
             return None;
         }
         let session = parsed.session_id.is_some();
-        let (prompt, with_question) = match (&parsed.messages, &parsed.prompt) {
+        let (chat, with_question) = match (&parsed.messages, &parsed.prompt) {
             (Some(messages), _) => (
-                crate::tokenize::Input::Chat(
-                    messages
-                        .iter()
-                        .map(|m| (m.role.to_string(), m.content.to_string()))
-                        .collect(),
-                ),
+                true,
                 session || messages.iter().any(|m| m.role == "assistant"),
             ),
-            (None, crate::parse::PromptText::Text(t)) if session => {
-                (crate::tokenize::Input::Text(t.to_string()), true)
+            (None, crate::parse::PromptText::Text(_)) if session => (false, true),
+            _ => return None,
+        };
+        // Checked before anything is copied: most prompts of a one-piece tokenizer are not
+        // warmed at all.
+        if !self.tokenizers.can_warm(&target.model, chat, with_question) {
+            return None;
+        }
+        let prompt = match (&parsed.messages, &parsed.prompt) {
+            (Some(messages), _) => crate::tokenize::Input::Chat(
+                messages
+                    .iter()
+                    .map(|m| (m.role.to_string(), m.content.to_string()))
+                    .collect(),
+            ),
+            (None, crate::parse::PromptText::Text(t)) => {
+                crate::tokenize::Input::Text(t.to_string())
             }
             _ => return None,
         };
-        let chat = matches!(prompt, crate::tokenize::Input::Chat(_));
-        if !self.tokenizers.can_warm(&target.model, chat) {
-            return None;
-        }
         Some(Arc::new(AnswerWarm {
             model: target.model.clone(),
             prompt,

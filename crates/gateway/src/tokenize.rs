@@ -322,12 +322,16 @@ impl Tokenizers {
             .ok_or(Miss::Unknown)
     }
 
-    /// Whether `model`'s prompts can be warmed ([`Tokenizers::warm`]): it has a piece cache
-    /// (and, for chat messages, a chat template).
-    pub fn can_warm(&self, model: &str, chat: bool) -> bool {
-        self.by_model
-            .get(model)
-            .is_some_and(|l| l.pieces.is_some() && (!chat || l.chat.is_some()))
+    /// Whether [`Tokenizers::warm`] would do anything for a prompt of `model` (chat messages
+    /// or a text): it has a piece cache (and, for chat messages, a chat template), and either
+    /// the question is warmed too or the answer has pieces of its own (chat messages, a
+    /// tokenizer that cuts at special tokens).
+    pub fn can_warm(&self, model: &str, chat: bool, with_question: bool) -> bool {
+        self.by_model.get(model).is_some_and(|l| {
+            l.pieces.as_ref().is_some_and(|pieces| {
+                (!chat || l.chat.is_some()) && (with_question || (chat && pieces.cuts()))
+            })
+        })
     }
 
     /// Tokenizes into the caches what the next turn of a conversation will send again and no
@@ -348,6 +352,10 @@ impl Tokenizers {
         continued: &Input<S>,
         with_question: bool,
     ) -> Option<usize> {
+        let chat = matches!(continued, Input::Chat(_));
+        if !self.can_warm(model, chat, with_question) {
+            return None;
+        }
         let loaded = self.by_model.get(model)?;
         let pieces = loaded.pieces.as_ref()?;
         let (text, special) = match continued {
@@ -630,7 +638,8 @@ mod tests {
             for warmed in [false, true] {
                 let t = emulators_with(*special);
                 let chat = matches!(first, Input::Chat(_));
-                assert!(t.can_warm("m", chat));
+                assert!(t.can_warm("m", chat, true));
+                assert_eq!(t.can_warm("m", chat, false), *special);
                 // The first turn, new to every instance: tokenized for its first block only.
                 let needed = t
                     .ids_as_needed("m", first, &mut |_| 16, 0, usize::MAX, &mut 0)
