@@ -40,7 +40,21 @@ pub struct PodView {
     pub labels: BTreeMap<String, String>,
     /// The container port named as in [`PEER_PORT_NAMES`], where a picker pod takes peer sync.
     pub metrics_port: Option<u16>,
+    /// The container port named [`KV_EVENTS_PORT_NAME`]: the engine publishes its KV events
+    /// there (vLLM `--kv-events-config`'s endpoint).
+    pub kv_events_port: Option<u16>,
+    /// The container port named [`KV_EVENTS_REPLAY_PORT_NAME`]: the engine's replay endpoint.
+    pub kv_events_replay_port: Option<u16>,
 }
+
+/// The container port name of an engine pod's KV event publisher (ZeroMQ PUB): the pod's
+/// backends are subscribed at `tcp://podIP:port` and matched exactly while the stream is
+/// healthy, as a `--backend` with `kv_events=`.
+pub const KV_EVENTS_PORT_NAME: &str = "kv-events";
+
+/// The container port name of an engine pod's KV event replay endpoint (ZeroMQ ROUTER), as
+/// `kv_events_replay=` (used only with [`KV_EVENTS_PORT_NAME`]).
+pub const KV_EVENTS_REPLAY_PORT_NAME: &str = "kv-events-replay";
 
 /// Container port names a picker pod's metrics (and `/admin/peer-sync`) port may carry, the
 /// first found wins (deploy/kubernetes names it `http-metrics`).
@@ -95,22 +109,25 @@ impl PodView {
         let ip = status
             .and_then(|s| s.pod_ip.as_deref())
             .and_then(|ip| ip.parse().ok());
+        let named_port = |name: &str| {
+            pod.spec.as_ref().and_then(|spec| {
+                spec.containers
+                    .iter()
+                    .flat_map(|c| c.ports.iter().flatten())
+                    .find(|p| p.name.as_deref() == Some(name))
+                    .and_then(|p| u16::try_from(p.container_port).ok())
+                    .filter(|&p| p > 0)
+            })
+        };
         PodView {
             name: pod.metadata.name.clone().unwrap_or_default(),
             ip,
             ready,
             terminating: pod.metadata.deletion_timestamp.is_some(),
             labels: pod.metadata.labels.clone().unwrap_or_default(),
-            metrics_port: pod.spec.as_ref().and_then(|spec| {
-                PEER_PORT_NAMES.iter().find_map(|name| {
-                    spec.containers
-                        .iter()
-                        .flat_map(|c| c.ports.iter().flatten())
-                        .find(|p| p.name.as_deref() == Some(*name))
-                        .and_then(|p| u16::try_from(p.container_port).ok())
-                        .filter(|&p| p > 0)
-                })
-            }),
+            metrics_port: PEER_PORT_NAMES.iter().find_map(|name| named_port(name)),
+            kv_events_port: named_port(KV_EVENTS_PORT_NAME),
+            kv_events_replay_port: named_port(KV_EVENTS_REPLAY_PORT_NAME),
         }
     }
 
@@ -132,8 +149,9 @@ impl PodView {
 
 /// The backends a pool asks for: every selected pod that serves, once per target port, named
 /// and addressed `ip:port`, models left empty so they are discovered from the engine as for a
-/// `--backend` without `models=`. Sorted by name; a name two pods share (host networking) goes
-/// to the pod whose name sorts first. No pool: no backends.
+/// `--backend` without `models=`, KV events from the pod's ports named
+/// [`KV_EVENTS_PORT_NAME`] and [`KV_EVENTS_REPLAY_PORT_NAME`]. Sorted by name; a name two pods
+/// share (host networking) goes to the pod whose name sorts first. No pool: no backends.
 pub fn desired<'a>(
     pool: Option<&PoolView>,
     pods: impl IntoIterator<Item = &'a PodView>,
@@ -149,6 +167,12 @@ pub fn desired<'a>(
     let mut out: BTreeMap<String, BackendSpec> = BTreeMap::new();
     for pod in pods {
         let Some(ip) = pod.ip else { continue };
+        let zmq = |port: u16| format!("tcp://{}", SocketAddr::new(ip, port));
+        let kv_events = pod.kv_events_port.map(zmq);
+        let kv_events_replay = pod
+            .kv_events_replay_port
+            .filter(|_| kv_events.is_some())
+            .map(zmq);
         for &port in &pool.ports {
             let addr = SocketAddr::new(ip, port).to_string();
             out.entry(addr.clone()).or_insert_with(|| BackendSpec {
@@ -156,6 +180,8 @@ pub fn desired<'a>(
                 address: format!("http://{addr}"),
                 role: pod.role(),
                 labels: BTreeMap::from([("pod".to_string(), pod.name.clone())]),
+                kv_events: kv_events.clone(),
+                kv_events_replay: kv_events_replay.clone(),
                 ..BackendSpec::default()
             });
         }
@@ -336,6 +362,42 @@ mod tests {
         ))];
         let specs = desired(Some(&pool(&[8000])), &pods);
         assert_eq!(specs[0].address, "http://[fd00::1]:8000");
+    }
+
+    #[test]
+    fn kv_events_come_from_the_engine_pods_named_ports() {
+        let with_ports = |ports: serde_json::Value| {
+            let mut p = pod("a", Some("10.0.0.1"), true, json!({"app": "vllm"}));
+            let container = json!({"name": "vllm", "image": "vllm", "ports": ports});
+            p.spec.as_mut().unwrap().containers = vec![serde_json::from_value(container).unwrap()];
+            PodView::of(&p)
+        };
+        let both = with_ports(json!([
+            {"name": "http", "containerPort": 8000},
+            {"name": "kv-events", "containerPort": 5557},
+            {"name": "kv-events-replay", "containerPort": 5558},
+        ]));
+        let specs = desired(Some(&pool(&[8000, 8001])), [&both]);
+        assert_eq!(specs.len(), 2);
+        for spec in &specs {
+            assert_eq!(spec.kv_events.as_deref(), Some("tcp://10.0.0.1:5557"));
+            assert_eq!(
+                spec.kv_events_replay.as_deref(),
+                Some("tcp://10.0.0.1:5558")
+            );
+        }
+        // A replay endpoint alone means nothing; no named port, no events.
+        let replay_only = with_ports(json!([{"name": "kv-events-replay", "containerPort": 5558}]));
+        let specs = desired(Some(&pool(&[8000])), [&replay_only]);
+        assert_eq!(
+            (
+                specs[0].kv_events.as_ref(),
+                specs[0].kv_events_replay.as_ref()
+            ),
+            (None, None)
+        );
+        let plain = PodView::of(&pod("b", Some("10.0.0.2"), true, json!({"app": "vllm"})));
+        assert_eq!(desired(Some(&pool(&[8000])), [&plain])[0].kv_events, None);
     }
 
     #[test]
