@@ -621,6 +621,41 @@ async fn a_publisher_silent_while_its_engine_works_falls_back() {
     assert_eq!(admin_kv_events(&c, &gw).await["exact"], false);
 }
 
+/// Two emulators publishing KV events (`extra` flags on both; the second writes its tokenizer
+/// into `dir`) and a gateway subscribed to both with that tokenizer, once both are matched
+/// exactly (`tags` seed them).
+async fn tokenizing_fleet(
+    dir: &std::path::Path,
+    extra: &[&str],
+    tags: [u32; 2],
+) -> (Emulator, Emulator, Proc, reqwest::Client) {
+    let tokenizer = dir.join("tokenizer.json");
+    let tokenizer = tokenizer.to_str().unwrap();
+    let publishing = |more: &[&str]| {
+        let mut args = vec![
+            "--model",
+            MODEL,
+            "--speed",
+            "100",
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:0",
+            "--kv-events-bind",
+        ];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(more);
+        Emulator::start(&args)
+    };
+    let a = publishing(&[]);
+    // Also writes tokenizer_config.json (the chat template) beside the tokenizer.
+    let b = publishing(&["--write-tokenizer", tokenizer]);
+    let flag = format!("{MODEL}={tokenizer}");
+    let gw = exact_gateway(&a, &b, &["--tokenizer", &flag]);
+    let c = client();
+    until_exact(&c, &gw, &a, "a", tags[0]).await;
+    until_exact(&c, &gw, &b, "b", tags[1]).await;
+    (a, b, gw, c)
+}
+
 /// Text of `len` vocabulary words (one token each) picked by `seed`.
 fn words(seed: u32, len: u32) -> String {
     let vocab: Vec<&str> = switchyard_emulator::engine::tokenizer::vocabulary()
@@ -634,25 +669,7 @@ fn words(seed: u32, len: u32) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_prompts_tokenized_by_the_gateway_predict_cached_tokens_to_the_token() {
     let dir = tempfile::tempdir().unwrap();
-    let tokenizer = dir.path().join("tokenizer.json");
-    let tokenizer = tokenizer.to_str().unwrap();
-    let a = Emulator::start_publishing(MODEL);
-    let b = Emulator::start(&[
-        "--model",
-        MODEL,
-        "--speed",
-        "100",
-        "--kv-events-endpoint",
-        "tcp://127.0.0.1:0",
-        "--kv-events-bind",
-        "--write-tokenizer",
-        tokenizer,
-    ]);
-    let tokenizer_flag = format!("{MODEL}={tokenizer}");
-    let gw = exact_gateway(&a, &b, &["--tokenizer", &tokenizer_flag]);
-    let c = client();
-    until_exact(&c, &gw, &a, "a", 3).await;
-    until_exact(&c, &gw, &b, "b", 4).await;
+    let (a, b, gw, c) = tokenizing_fleet(dir.path(), &[], [3, 4]).await;
 
     for round in 0..7u32 {
         let holder = if round % 2 == 0 { ("a", &a) } else { ("b", &b) };
@@ -725,26 +742,7 @@ async fn text_prompts_tokenized_by_the_gateway_predict_cached_tokens_to_the_toke
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_messages_tokenized_with_the_chat_template_predict_cached_tokens_to_the_token() {
     let dir = tempfile::tempdir().unwrap();
-    let tokenizer = dir.path().join("tokenizer.json");
-    let tokenizer = tokenizer.to_str().unwrap();
-    let a = Emulator::start_publishing(MODEL);
-    // Also writes tokenizer_config.json (the chat template) beside the tokenizer.
-    let b = Emulator::start(&[
-        "--model",
-        MODEL,
-        "--speed",
-        "100",
-        "--kv-events-endpoint",
-        "tcp://127.0.0.1:0",
-        "--kv-events-bind",
-        "--write-tokenizer",
-        tokenizer,
-    ]);
-    let tokenizer_flag = format!("{MODEL}={tokenizer}");
-    let gw = exact_gateway(&a, &b, &["--tokenizer", &tokenizer_flag]);
-    let c = client();
-    until_exact(&c, &gw, &a, "a", 5).await;
-    until_exact(&c, &gw, &b, "b", 6).await;
+    let (a, b, gw, c) = tokenizing_fleet(dir.path(), &[], [5, 6]).await;
 
     for round in 0..6u32 {
         let holder = if round % 2 == 0 { ("a", &a) } else { ("b", &b) };
@@ -809,29 +807,7 @@ async fn a_chat_answer_is_tokenized_for_the_next_turn_as_it_ends() {
     // tokenizer cuts prompts into pieces at them, caches the pieces' ids, and warms the cache
     // with each answer as it ends.
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tokenizer.json");
-    let tokenizer = path.to_str().unwrap();
-    let special = |extra: &[&str]| {
-        let mut args = vec![
-            "--model",
-            MODEL,
-            "--speed",
-            "100",
-            "--kv-events-endpoint",
-            "tcp://127.0.0.1:0",
-            "--kv-events-bind",
-            "--special-tokens",
-        ];
-        args.extend_from_slice(extra);
-        Emulator::start(&args)
-    };
-    let a = special(&["--write-tokenizer", tokenizer]);
-    let b = special(&[]);
-    let flag = format!("{MODEL}={tokenizer}");
-    let gw = exact_gateway(&a, &b, &["--tokenizer", &flag]);
-    let c = client();
-    until_exact(&c, &gw, &a, "a", 9).await;
-    until_exact(&c, &gw, &b, "b", 10).await;
+    let (_a, _b, gw, c) = tokenizing_fleet(dir.path(), &["--special-tokens"], [9, 10]).await;
     let total = |m: &str, name: &str, label: &str| metric_sum(m, name, &[label]);
 
     let system = words(700, 30);
@@ -926,28 +902,8 @@ async fn a_chat_answer_is_tokenized_for_the_next_turn_as_it_ends() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completions_conversation_is_tokenized_from_where_its_last_turn_ended() {
-    // A conversation sent as one growing text (`/v1/completions`): one piece, never the same
-    // twice, so the piece cache cannot help; the text's kept tokens can.
     let dir = tempfile::tempdir().unwrap();
-    let tokenizer = dir.path().join("tokenizer.json");
-    let tokenizer = tokenizer.to_str().unwrap();
-    let a = Emulator::start_publishing(MODEL);
-    let b = Emulator::start(&[
-        "--model",
-        MODEL,
-        "--speed",
-        "100",
-        "--kv-events-endpoint",
-        "tcp://127.0.0.1:0",
-        "--kv-events-bind",
-        "--write-tokenizer",
-        tokenizer,
-    ]);
-    let flag = format!("{MODEL}={tokenizer}");
-    let gw = exact_gateway(&a, &b, &["--tokenizer", &flag]);
-    let c = client();
-    until_exact(&c, &gw, &a, "a", 11).await;
-    until_exact(&c, &gw, &b, "b", 12).await;
+    let (_a, _b, gw, c) = tokenizing_fleet(dir.path(), &[], [11, 12]).await;
     let url = gw.url("/v1/completions");
     let headers: &[(&str, &str)] = &[("x-session-id", "story")];
     let fresh = |m: &str, path: &str| {
