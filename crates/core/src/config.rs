@@ -182,6 +182,10 @@ pub struct CostConfig {
     /// model on shared CPUs) to keep conversations with their caches; shared prefixes still
     /// spread at `cache_room_weight`.
     pub history_room_weight: f64,
+    /// Price the prefill a candidate adds beyond the cheapest candidate's (what a cache hit
+    /// saves) at what an estimated second of prefill has been worth in observed first tokens,
+    /// learned ([`crate::calibration`]); false (the default): at face value.
+    pub calibrate_prefill: bool,
     /// Engine-reported waiting requests at or above which an instance is saturated (none: never).
     pub max_waiting: Option<u32>,
     /// Router-side in-flight requests at or above which an instance is saturated (none: never).
@@ -211,6 +215,7 @@ impl Default for CostConfig {
             queue_interference_weight: 1.0,
             cache_room_weight: 1.0,
             history_room_weight: 1.0,
+            calibrate_prefill: false,
             max_waiting: None,
             max_in_flight: None,
         }

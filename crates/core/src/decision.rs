@@ -59,6 +59,10 @@ pub struct CostTerms {
     /// nothing pulls carry, charged where a shared prefix or an adapter pulls the request
     /// (packing guard).
     pub packing_s: f64,
+    /// The wait and prefill estimates before calibration ([`crate::calibration`]): what the
+    /// router learns the factors from.
+    #[serde(skip)]
+    pub raw_wait_prefill_s: (f64, f64),
     /// Whether the deepest block the instance holds of the prompt is one that different prompts
     /// continue (a shared prefix), not one conversation's own history.
     #[serde(skip)]
@@ -200,6 +204,7 @@ impl Decision {
             session: self.session,
             estimated_ttft_s: (terms.prefill_s > 0.0)
                 .then_some(terms.wait_s + terms.prefill_s + terms.adapter_s + terms.transfer_s),
+            raw_wait_prefill_s: terms.raw_wait_prefill_s,
             adapter_s: terms.adapter_s,
             loads_adapter: terms.loads_adapter,
             policy: self.policy,
@@ -294,6 +299,8 @@ pub struct RoutePlan {
     /// Seconds to the first token the decision expected there (wait + prefill + adapter +
     /// transfer), when the policy makes such an estimate.
     pub(crate) estimated_ttft_s: Option<f64>,
+    /// The estimate's raw wait and prefill, learned from against the observed TTFT.
+    pub(crate) raw_wait_prefill_s: (f64, f64),
     /// The adapter part of that estimate ...
     pub(crate) adapter_s: f64,
     /// ... and whether it was a plain load into a free slot (its first token measures one).
@@ -325,6 +332,7 @@ impl RoutePlan {
             is_decode_only: false,
             is_prefill_leg: false,
             estimated_ttft_s: None,
+            raw_wait_prefill_s: (0.0, 0.0),
             adapter_s: 0.0,
             loads_adapter: false,
             session: None,

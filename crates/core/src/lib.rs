@@ -17,6 +17,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod calibration;
 pub mod config;
 pub mod decision;
 pub mod decode_slope;

@@ -8,6 +8,7 @@ use rand::{Rng, SeedableRng};
 use rustc_hash::FxHashMap;
 use thiserror::Error;
 
+use crate::calibration::TtftCalibration;
 use crate::config::{ConfigError, RouterConfig};
 use crate::decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan, ViewPredictions};
 use crate::exact::{ExactChain, ExactIndex};
@@ -153,6 +154,8 @@ struct InFlight {
     matched_seqs: Vec<u64>,
     /// The decision's TTFT estimate, if the policy made one ...
     estimated_ttft_s: Option<f64>,
+    /// The estimate's raw wait and prefill ([`crate::calibration`]).
+    raw_wait_prefill_s: (f64, f64),
     /// ... its adapter part, and whether that was a load into a free slot.
     adapter_s: f64,
     loads_adapter: bool,
@@ -204,6 +207,8 @@ pub struct Router {
     /// How long an adapter load delays a first token, learned from requests that loaded one
     /// into a free slot (one figure for the fleet: loads read the same kind of files).
     adapter_load: RunningMedian,
+    /// What the cost estimate's wait and prefill are worth in observed seconds.
+    ttft_calibration: TtftCalibration,
     /// How many instances are busy over time: what each answer's neighbours did meanwhile.
     busy: BusyInstances,
 }
@@ -347,6 +352,7 @@ impl Router {
             output_tokens_seen: 1.0,
             output_budget_seen: 1.0,
             adapter_load: RunningMedian::new(config.cost.adapter_load_s),
+            ttft_calibration: TtftCalibration::default(),
             busy: BusyInstances::default(),
             config,
             fleet: Fleet::default(),
@@ -441,6 +447,23 @@ impl Router {
     /// Learned bytes of prompt text per token.
     pub fn bytes_per_token(&self) -> f64 {
         self.bytes_per_token
+    }
+
+    /// What the `cost` policy prices an estimated second of prefill at: learned from first
+    /// tokens where `cost.calibrate_prefill` is set and the fit is trusted
+    /// ([`crate::calibration`]), else 1.
+    pub fn prefill_factor(&self) -> f64 {
+        if self.config.cost.calibrate_prefill {
+            self.ttft_calibration.scale.prefill
+        } else {
+            1.0
+        }
+    }
+
+    /// The fit of observed first tokens against the estimate's wait and prefill (for the fleet
+    /// view: how far a user can trust the estimate, and which part misses).
+    pub fn ttft_calibration(&self) -> &TtftCalibration {
+        &self.ttft_calibration
     }
 
     /// Seconds an adapter load is priced at: learned once a request has loaded one, the
@@ -755,6 +778,7 @@ impl Router {
             adapter_load_s: self.adapter_load_s(),
             pool_shared_share: pool.shared_share,
             pool_waiting: pool.waiting,
+            prefill_factor: self.prefill_factor(),
         };
         self.policy.score(&ctx, &mut candidates, &mut self.rng);
         let memo = self.policy.memo();
@@ -1249,6 +1273,7 @@ impl Router {
                 views: plan.views,
                 matched_seqs,
                 estimated_ttft_s: plan.estimated_ttft_s,
+                raw_wait_prefill_s: plan.raw_wait_prefill_s,
                 adapter_s: plan.adapter_s,
                 loads_adapter: plan.loads_adapter,
                 route_seq,
@@ -1289,6 +1314,8 @@ impl Router {
                         .update(observed_s - without_adapter - fixed_s, rate);
                 } else {
                     fixed.update(observed_s - raw, rate);
+                    let (wait_s, prefill_s) = record.raw_wait_prefill_s;
+                    self.ttft_calibration.observe(wait_s, prefill_s, observed_s);
                 }
                 Some(raw + fixed_s)
             }

@@ -2051,3 +2051,85 @@ fn on_shared_cores_a_move_is_charged_the_stall_it_gives_first_tokens_elsewhere()
         "{penalties:?}"
     );
 }
+
+/// A `cost` router (`calibrate_prefill` as given) whose engines take twice the estimated prefill
+/// and the estimated wait at face value: bursts of one to three prompts of varied lengths sent
+/// to instance 0, each answered at the estimate's wait plus twice its prefill (speeds frozen at
+/// the prior, so only the fit can learn the factor).
+fn router_whose_prefill_takes_twice_its_estimate(calibrate: bool) -> (Router, Vec<InstanceId>) {
+    let mut config = RouterConfig {
+        policy: "cost".into(),
+        ..Default::default()
+    };
+    config.cost.calibrate_prefill = calibrate;
+    config.estimates.learning_rate = 1e-6;
+    let (mut router, ids) = router_with(config, 2);
+    let mut now = 0.0;
+    let mut id = 0u64;
+    for burst in 0..150u64 {
+        let mut sent = Vec::new();
+        for k in 0..=(burst % 3) {
+            id += 1;
+            let tokens = 200 + ((id * 7919) % 13) as usize * 150;
+            let text = prompt(&format!("tenant {id} "), tokens, id);
+            let request = RouteRequest::text("m", &text);
+            let decision = router.route(&request, now).unwrap();
+            let (wait_s, prefill_s) = decision.candidate(ids[0]).unwrap().terms.raw_wait_prefill_s;
+            send_to(&mut router, id, &request, ids[0], now);
+            sent.push((
+                id,
+                now + 0.005 + wait_s + 2.0 * prefill_s + 0.001 * k as f64,
+            ));
+        }
+        for &(id, first_token) in &sent {
+            router
+                .observe(Observation::FirstToken(RequestId(id)), first_token)
+                .unwrap();
+        }
+        let end = sent.iter().map(|&(_, t)| t).fold(now, f64::max) + 0.01;
+        for &(id, _) in &sent {
+            router
+                .observe(Observation::Finished(RequestId(id), None), end)
+                .unwrap();
+        }
+        now = end + 0.1;
+    }
+    (router, ids)
+}
+
+#[test]
+fn cost_learns_what_an_estimated_second_of_prefill_is_worth_and_prices_hits_at_it_when_set() {
+    let (off, _) = router_whose_prefill_takes_twice_its_estimate(false);
+    let fit = off.ttft_calibration();
+    assert!((fit.scale.prefill - 2.0).abs() < 0.1, "{fit:?}");
+    assert!((fit.scale.wait - 1.0).abs() < 0.1, "{fit:?}");
+    // Learned, shown, but not priced unless asked for.
+    assert_eq!(off.prefill_factor(), 1.0);
+    let (mut on, ids) = router_whose_prefill_takes_twice_its_estimate(true);
+    let factor = on.prefill_factor();
+    assert!((factor - 2.0).abs() < 0.1, "{factor}");
+    // Instance 1 holds a manual; on instance 0 its prefill is avoidable, priced at the factor,
+    // while the part every candidate pays stays at face value.
+    let manual = |n: u64| prompt("a long shared manual about pumps. ", 3000, n);
+    send_text_to(&mut on, 90_000, &manual(1), ids[1], 100.0);
+    finish(&mut on, 90_000, 100.2);
+    let factor = on.prefill_factor();
+    let decision = on
+        .route(&RouteRequest::text("m", &manual(2)), 101.0)
+        .unwrap();
+    let holder = decision.candidate(ids[1]).unwrap().terms;
+    let other = decision.candidate(ids[0]).unwrap().terms;
+    assert!(
+        holder.cached_tokens > other.cached_tokens,
+        "{holder:?} {other:?}"
+    );
+    let (_, holder_raw) = holder.raw_wait_prefill_s;
+    let (_, other_raw) = other.raw_wait_prefill_s;
+    assert!((holder.prefill_s - holder_raw).abs() < 1e-12, "{holder:?}");
+    let expected = holder_raw + factor * (other_raw - holder_raw);
+    assert!(
+        (other.prefill_s - expected).abs() < 1e-9,
+        "{} against {expected}",
+        other.prefill_s
+    );
+}

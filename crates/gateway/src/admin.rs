@@ -104,6 +104,11 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
         "output_share": router.output_share(),
         // What an adapter load is priced at: learned once one was measured.
         "adapter_load_s": router.adapter_load_s(),
+        // Observed first tokens against the estimate's wait and prefill: what each estimated
+        // second has been worth (1 until the fit is trusted), and the factor `cost` prices a
+        // hit's saved prefill at (1 unless `cost.calibrate_prefill`).
+        "ttft_calibration": router.ttft_calibration(),
+        "prefill_factor": router.prefill_factor(),
         "admission_queue": gw.admission.len(),
         "backends": backends,
         "pending_discovery": pending,

@@ -334,6 +334,13 @@ pub fn prefill_terms(
         terms.prefill_s,
         unavoidable_s,
     );
+    terms.raw_wait_prefill_s = (terms.wait_s, terms.prefill_s);
+    // What a hit saves, priced at what a second of estimated prefill has been worth (1 unless
+    // `cost.calibrate_prefill`): the prefill every candidate pays is not a trade, so it stays at
+    // face value, and so do the stalls it inflicts on others (the factor is learned from the
+    // request's own first token, which says nothing of theirs).
+    let avoidable_s = (terms.prefill_s - unavoidable_s).max(0.0);
+    terms.prefill_s += (ctx.prefill_factor - 1.0) * avoidable_s;
     (terms.adapter_s, terms.loads_adapter) = adapter_s(ctx, instance);
     // A prefill half hands its KV over after one token: the answer grows on the decode side.
     let answer = if ctx.stage == Stage::Prefill {
@@ -451,7 +458,7 @@ fn shared_stall_s(
 /// holder among the candidates already has: that room held other prefixes, which the instance
 /// reuses at its learned hit share `h`. In steady state every token stored displaces one, and a
 /// stored token is reused about h / (1 − h) times before it leaves, so the copy costs that many
-/// tokens of someone's prefill. Engines that report no cached tokens never learn a share and pay
+/// tokens of someone's prefill (priced as a hit is, [`ScoringContext::prefill_factor`]). Engines that report no cached tokens never learn a share and pay
 /// nothing.
 /// `weight`: `cost.cache_room_weight`, or `cost.history_room_weight` where the best holder's
 /// copy is one conversation's own history.
@@ -463,7 +470,7 @@ fn cache_room_s(
 ) -> f64 {
     let h = instance.learned.hit_share.clamp(0.0, 0.9);
     let speed = priced_speed(ctx, instance);
-    weight * f64::from(duplicated) * h / (1.0 - h) / speed
+    weight * f64::from(duplicated) * h / (1.0 - h) / speed * ctx.prefill_factor
 }
 
 /// Thrashing guard for adapters: a swap must beat an instance already holding the adapter by a

@@ -71,6 +71,9 @@ pub struct ScoringContext<'a> {
     pub pool_shared_share: f64,
     /// Requests of the same pool waiting for a first token (sent by this router).
     pub pool_waiting: u32,
+    /// What the prefill a candidate adds beyond the cheapest candidate's is priced at, per
+    /// estimated second ([`crate::calibration`]; 1: face value).
+    pub prefill_factor: f64,
 }
 
 impl ScoringContext<'_> {
