@@ -202,8 +202,14 @@ impl Decision {
                 && self.candidates.iter().any(|c| c.instance == instance),
             // Only a policy that prices prefill in seconds (`cost`) makes a TTFT estimate.
             session: self.session,
-            estimated_ttft_s: (terms.prefill_s > 0.0)
-                .then_some(terms.wait_s + terms.prefill_s + terms.adapter_s + terms.transfer_s),
+            // At face value (the prefill before `cost.calibrate_prefill`'s pricing): the router
+            // calibrates its prediction itself when the first token comes.
+            estimated_ttft_s: (terms.prefill_s > 0.0).then_some(
+                terms.raw_wait_prefill_s.0
+                    + terms.raw_wait_prefill_s.1
+                    + terms.adapter_s
+                    + terms.transfer_s,
+            ),
             raw_wait_prefill_s: terms.raw_wait_prefill_s,
             adapter_s: terms.adapter_s,
             loads_adapter: terms.loads_adapter,

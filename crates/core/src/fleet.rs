@@ -222,6 +222,9 @@ pub struct Learned {
     /// scheduling): the median of observed − estimated TTFT, added to the TTFT predictions the
     /// router reports (not to the scores: every candidate would pay it alike).
     pub ttft_fixed_s: RunningMedian,
+    /// The same against the calibrated estimate ([`crate::calibration`]): each prediction
+    /// carries its own fixed part.
+    pub ttft_fixed_calibrated_s: RunningMedian,
 }
 
 /// The share of recent time an instance had every sequence slot taken. Prefill work added there
@@ -610,6 +613,7 @@ mod tests {
             decode_slope: Default::default(),
             shared_compute: Default::default(),
             ttft_fixed_s: crate::running_median::RunningMedian::new(0.01),
+            ttft_fixed_calibrated_s: crate::running_median::RunningMedian::new(0.01),
         }
     }
 

@@ -8,7 +8,7 @@ use rand::{Rng, SeedableRng};
 use rustc_hash::FxHashMap;
 use thiserror::Error;
 
-use crate::calibration::TtftCalibration;
+use crate::calibration::{PredictionChoice, TtftCalibration};
 use crate::config::{ConfigError, RouterConfig};
 use crate::decision::{Candidate, CostTerms, Decision, Exclusion, RoutePlan, ViewPredictions};
 use crate::exact::{ExactChain, ExactIndex};
@@ -209,6 +209,8 @@ pub struct Router {
     adapter_load: RunningMedian,
     /// What the cost estimate's wait and prefill are worth in observed seconds.
     ttft_calibration: TtftCalibration,
+    /// Which TTFT prediction is reported: face value or calibrated, by their recent errors.
+    prediction_choice: PredictionChoice,
     /// How many instances are busy over time: what each answer's neighbours did meanwhile.
     busy: BusyInstances,
 }
@@ -353,6 +355,7 @@ impl Router {
             output_budget_seen: 1.0,
             adapter_load: RunningMedian::new(config.cost.adapter_load_s),
             ttft_calibration: TtftCalibration::default(),
+            prediction_choice: PredictionChoice::default(),
             busy: BusyInstances::default(),
             config,
             fleet: Fleet::default(),
@@ -460,6 +463,11 @@ impl Router {
         }
     }
 
+    /// Which TTFT prediction the router reports, and both predictions' recent errors.
+    pub fn prediction_choice(&self) -> &PredictionChoice {
+        &self.prediction_choice
+    }
+
     /// The fit of observed first tokens against the estimate's wait and prefill (for the fleet
     /// view: how far a user can trust the estimate, and which part misses).
     pub fn ttft_calibration(&self) -> &TtftCalibration {
@@ -528,6 +536,7 @@ impl Router {
             decode_slope: Default::default(),
             shared_compute: Default::default(),
             ttft_fixed_s: RunningMedian::new(e.ttft_overhead_s),
+            ttft_fixed_calibrated_s: RunningMedian::new(e.ttft_overhead_s),
         }
     }
 
@@ -1306,18 +1315,42 @@ impl Router {
         let rate = self.config.estimates.learning_rate;
         let estimate = match (record.estimated_ttft_s, self.fleet.get_mut(record.instance)) {
             (Some(raw), Some(instance)) => {
-                let fixed = &mut instance.learned.ttft_fixed_s;
-                let fixed_s = fixed.value.max(0.0);
+                let learned = &mut instance.learned;
+                let fixed_s = learned.ttft_fixed_s.value.max(0.0);
+                // The same with the wait and prefill at what an estimated second of each has
+                // been worth, and its own fixed part.
+                let (wait_s, prefill_s) = record.raw_wait_prefill_s;
+                let scale = self.ttft_calibration.scale;
+                let calibrated =
+                    raw + (scale.wait - 1.0) * wait_s + (scale.prefill - 1.0) * prefill_s;
+                let calibrated_fixed_s = learned.ttft_fixed_calibrated_s.value.max(0.0);
+                let (face_value_s, calibrated_s) = (raw + fixed_s, calibrated + calibrated_fixed_s);
+                let reported_s = if self.prediction_choice.calibrated() {
+                    calibrated_s
+                } else {
+                    face_value_s
+                };
                 if record.loads_adapter {
                     let without_adapter = raw - record.adapter_s;
                     self.adapter_load
                         .update(observed_s - without_adapter - fixed_s, rate);
                 } else {
-                    fixed.update(observed_s - raw, rate);
-                    let (wait_s, prefill_s) = record.raw_wait_prefill_s;
+                    learned.ttft_fixed_s.update(observed_s - raw, rate);
+                    learned
+                        .ttft_fixed_calibrated_s
+                        .update(observed_s - calibrated, rate);
                     self.ttft_calibration.observe(wait_s, prefill_s, observed_s);
+                    let error = |estimated_s: f64| {
+                        Prediction::Ttft {
+                            estimated_s,
+                            observed_s,
+                        }
+                        .relative_error()
+                    };
+                    self.prediction_choice
+                        .observe(error(face_value_s), error(calibrated_s));
                 }
-                Some(raw + fixed_s)
+                Some(reported_s)
             }
             _ => None,
         };

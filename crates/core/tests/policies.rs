@@ -2105,6 +2105,9 @@ fn cost_learns_what_an_estimated_second_of_prefill_is_worth_and_prices_hits_at_i
     assert!((fit.scale.wait - 1.0).abs() < 0.1, "{fit:?}");
     // Learned, shown, but not priced unless asked for.
     assert_eq!(off.prefill_factor(), 1.0);
+    // Both TTFT predictions are scored on every first token (which one is reported:
+    // `calibration::tests::the_prediction_that_has_predicted_better_is_reported`).
+    assert_eq!(off.prediction_choice().samples, fit.samples);
     let (mut on, ids) = router_whose_prefill_takes_twice_its_estimate(true);
     let factor = on.prefill_factor();
     assert!((factor - 2.0).abs() < 0.1, "{factor}");

@@ -108,6 +108,8 @@ pub async fn fleet(State(gw): Shared, headers: HeaderMap) -> Response {
         // second has been worth (1 until the fit is trusted), and the factor `cost` prices a
         // hit's saved prefill at (1 unless `cost.calibrate_prefill`).
         "ttft_calibration": router.ttft_calibration(),
+        // Both TTFT predictions' recent errors; the better is the one reported.
+        "ttft_prediction": router.prediction_choice(),
         "prefill_factor": router.prefill_factor(),
         "admission_queue": gw.admission.len(),
         "backends": backends,

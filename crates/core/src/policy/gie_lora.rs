@@ -146,6 +146,7 @@ mod tests {
             decode_slope: Default::default(),
             shared_compute: Default::default(),
             ttft_fixed_s: crate::running_median::RunningMedian::new(0.01),
+            ttft_fixed_calibrated_s: crate::running_median::RunningMedian::new(0.01),
         };
         let id = fleet.add(spec, learned).unwrap();
         let mut i = fleet.remove(id).unwrap();
