@@ -14,6 +14,8 @@
 
 use serde::Serialize;
 
+use crate::decode_slope::{PlaneMoments, PlaneSums};
+
 /// First tokens a fit needs before it is used.
 const MIN_SAMPLES: u32 = 64;
 
@@ -55,9 +57,9 @@ pub struct TtftCalibration {
     pub samples: u32,
     /// The factors in use (1 until trusted).
     pub scale: TtftScale,
-    /// Weighted sums: w, x, z, y, x², z², xz, xy, zy, y² (x: wait, z: prefill, y: observed).
+    /// x: wait, z: prefill, y: observed TTFT.
     #[serde(skip)]
-    sums: [f64; 10],
+    sums: PlaneSums,
 }
 
 impl TtftCalibration {
@@ -68,12 +70,8 @@ impl TtftCalibration {
         if !finite || wait_s < 0.0 || prefill_s < 0.0 || observed_s < 0.0 {
             return;
         }
-        let keep = 1.0 - 1.0 / WINDOW;
-        let (x, z, y) = (wait_s, prefill_s, observed_s);
-        let values = [1.0, x, z, y, x * x, z * z, x * z, x * y, z * y, y * y];
-        for (sum, value) in self.sums.iter_mut().zip(values) {
-            *sum = *sum * keep + value;
-        }
+        self.sums
+            .add(wait_s, prefill_s, observed_s, 1.0 - 1.0 / WINDOW);
         self.samples = self.samples.saturating_add(1);
         if let Some(scale) = self.trusted_fit() {
             self.scale = scale;
@@ -86,14 +84,16 @@ impl TtftCalibration {
         if self.samples < MIN_SAMPLES {
             return None;
         }
-        let [w, sx, sz, sy, sxx, szz, sxz, sxy, szy, syy] = self.sums;
-        let (mx, mz, my) = (sx / w, sz / w, sy / w);
-        let vxx = sxx / w - mx * mx;
-        let vzz = szz / w - mz * mz;
-        let vxz = sxz / w - mx * mz;
-        let vxy = sxy / w - mx * my;
-        let vzy = szy / w - mz * my;
-        let vyy = (syy / w - my * my).max(0.0);
+        let PlaneMoments {
+            w,
+            vxx,
+            vzz,
+            vxz,
+            vxy,
+            vzy,
+            vyy,
+        } = self.sums.moments();
+        let vyy = vyy.max(0.0);
         let det = vxx * vzz - vxz * vxz;
         // Both regressors must vary, and not together: a fleet that never queues says nothing
         // of what a wait is worth.

@@ -19,6 +19,47 @@ const MIN_SAMPLES: u32 = 8;
 /// anything.
 const TRUST_STANDARD_ERRORS: f64 = 2.0;
 
+/// Exponentially weighted sums behind a least-squares plane y = a + b·x + c·z: w, x, z, y, x²,
+/// z², xz, xy, zy, y² (shared by the fits of the decode slope and of the TTFT estimate).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub(crate) struct PlaneSums([f64; 10]);
+
+/// The weighted total and (co)variances of a [`PlaneSums`], unclamped.
+pub(crate) struct PlaneMoments {
+    pub w: f64,
+    pub vxx: f64,
+    pub vzz: f64,
+    pub vxz: f64,
+    pub vxy: f64,
+    pub vzy: f64,
+    pub vyy: f64,
+}
+
+impl PlaneSums {
+    /// Adds one sample after fading the earlier ones by `keep`.
+    pub(crate) fn add(&mut self, x: f64, z: f64, y: f64, keep: f64) {
+        let values = [1.0, x, z, y, x * x, z * z, x * z, x * y, z * y, y * y];
+        for (sum, value) in self.0.iter_mut().zip(values) {
+            *sum = *sum * keep + value;
+        }
+    }
+
+    /// The weighted total, variances and covariances.
+    pub(crate) fn moments(&self) -> PlaneMoments {
+        let [w, sx, sz, sy, sxx, szz, sxz, sxy, szy, syy] = self.0;
+        let (mx, mz, my) = (sx / w, sz / w, sy / w);
+        PlaneMoments {
+            w,
+            vxx: sxx / w - mx * mx,
+            vzz: szz / w - mz * mz,
+            vxz: sxz / w - mx * mz,
+            vxy: sxy / w - mx * my,
+            vzy: szy / w - mz * my,
+            vyy: syy / w - my * my,
+        }
+    }
+}
+
 /// An exponentially weighted least-squares fit of time per output token against sequences
 /// decoding at once and prefill tokens computed per output token beside it (so that the
 /// stalls of long prompts prefilled among the answers, which grow with the load too, are not
@@ -29,10 +70,9 @@ pub struct DecodeSlope {
     pub samples: u32,
     /// The trusted marginal step time per decoding sequence, s (0 until trusted).
     pub per_sequence_s: f64,
-    /// Weighted sums: w, x, z, y, x², z², xz, xy, zy, y² (x: batch, z: prefill tokens per
-    /// output token, y: time per output token).
+    /// x: batch, z: prefill tokens per output token, y: time per output token.
     #[serde(skip)]
-    sums: [f64; 10],
+    sums: PlaneSums,
 }
 
 impl DecodeSlope {
@@ -53,11 +93,8 @@ impl DecodeSlope {
             return;
         }
         let keep = 1.0 - rate.clamp(1e-6, 1.0);
-        let (x, z, y) = (batch, prefill_per_token, time_per_token_s);
-        let values = [1.0, x, z, y, x * x, z * z, x * z, x * y, z * y, y * y];
-        for (sum, value) in self.sums.iter_mut().zip(values) {
-            *sum = *sum * keep + value;
-        }
+        self.sums
+            .add(batch, prefill_per_token, time_per_token_s, keep);
         self.samples = self.samples.saturating_add(1);
         self.per_sequence_s = self.trusted_slope().unwrap_or(0.0);
     }
@@ -67,14 +104,16 @@ impl DecodeSlope {
         if self.samples < MIN_SAMPLES {
             return None;
         }
-        let [w, sx, sz, sy, sxx, szz, sxz, sxy, szy, syy] = self.sums;
-        let (mx, mz, my) = (sx / w, sz / w, sy / w);
-        let vxx = sxx / w - mx * mx;
-        let vzz = (szz / w - mz * mz).max(0.0);
-        let vxz = sxz / w - mx * mz;
-        let vxy = sxy / w - mx * my;
-        let vzy = szy / w - mz * my;
-        let vyy = (syy / w - my * my).max(0.0);
+        let PlaneMoments {
+            w,
+            vxx,
+            vzz,
+            vxz,
+            vxy,
+            vzy,
+            vyy,
+        } = self.sums.moments();
+        let (vzz, vyy) = (vzz.max(0.0), vyy.max(0.0));
         if vxx <= 1e-9 {
             return None;
         }
